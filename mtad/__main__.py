@@ -1,0 +1,7 @@
+"""Entry point of ``python -m mtad``."""
+
+import sys
+
+from mtad.cli import main
+
+sys.exit(main())

@@ -1,0 +1,131 @@
+"""``python -m mtad generate``: decode one prompt with ar, sd or mtad and show the trace."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from mtad.settings import DRAFT_MODES, METHODS, Settings
+
+GREEN, YELLOW, RED, DIM, RESET = "\033[32m", "\033[33m", "\033[31m", "\033[2m", "\033[0m"
+
+
+def add_pair_args(p: argparse.ArgumentParser) -> None:
+    """--pair or --draft/--target, with device and dtype (shared with the bench)."""
+    p.add_argument("--pair", help="preset name from assets/pairs.toml (default: embedded)")
+    p.add_argument("--draft", help="draft model: local directory or Hub id")
+    p.add_argument("--target", help="target model: local directory or Hub id")
+    p.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:1 ...")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """The decoding settings every method understands (shared with the bench)."""
+    d = Settings()
+    p.add_argument("--greedy", action="store_true", help="argmax everywhere (the T->0 limit)")
+    p.add_argument("--temperature", type=float, default=d.temperature)
+    p.add_argument("--top-k", type=int, default=d.top_k, help="0 turns top-k off")
+    p.add_argument("--top-p", type=float, default=d.top_p)
+    p.add_argument("--draft-mode", choices=DRAFT_MODES, default=d.draft_mode)
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+
+
+def load_pair_from_args(args: argparse.Namespace):  # noqa: ANN201
+    """The pair the flags name: --draft/--target together, else --pair, else the default preset."""
+    from mtad.pair import PairError, default_pair_name, load, load_pair
+
+    if bool(args.draft) != bool(args.target):
+        raise PairError("give both --draft and --target, or neither (then --pair chooses)")
+    if args.draft:
+        if args.pair:
+            raise PairError("give either --pair or --draft/--target, not both")
+        return load(args.draft, args.target, device=args.device, dtype=args.dtype)
+    return load_pair(args.pair or default_pair_name(), device=args.device, dtype=args.dtype)
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m mtad", description="Multi-token assisted decoding")
+    sub = ap.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="decode one prompt and show which drafts were accepted")
+    add_pair_args(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--method", choices=METHODS, default="mtad")
+    add_sampling_args(g)
+    d = Settings()
+    g.add_argument("--gamma", type=int, default=d.gamma, help="draft length (1-32)")
+    g.add_argument("--beams", type=int, default=d.beams, help="MTAD beam count (1-64)")
+    g.add_argument("--tau", type=float, default=d.tau, help="MTAD threshold in [0, 1]")
+    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of coloured text")
+    return ap
+
+
+def settings_from_args(args: argparse.Namespace, method: str) -> Settings:
+    return Settings(
+        method=method,
+        greedy=args.greedy,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        gamma=args.gamma,
+        beams=args.beams,
+        tau=args.tau,
+        draft_mode=args.draft_mode,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+    ).validate()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        settings = settings_from_args(args, args.method)
+        from mtad.decoding import generate
+        from mtad.metrics import summarize
+
+        pair = load_pair_from_args(args)
+        run = generate(pair, args.prompt, settings)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    metrics = summarize(run.steps)
+    if args.json:
+        out = run.to_dict()
+        out["pair"] = pair.name
+        out["metrics"] = metrics.to_dict()
+        print(json.dumps(out, allow_nan=False))
+    else:
+        print(render(pair, run, color=sys.stdout.isatty() or bool(os.environ.get("FORCE_COLOR"))))
+        print(summary_line(metrics), file=sys.stderr)
+    return 0
+
+
+def render(pair, run, color: bool = True) -> str:  # noqa: ANN001
+    """The prompt, then each iteration's accepted drafts (green) and target token (yellow)."""
+    from mtad.text import token_pieces
+
+    out = [pair.decode(run.prompt_ids)]
+    context = list(run.prompt_ids)
+    for step in run.steps:
+        pieces = token_pieces(pair.tokenizer, context, step.appended_ids)
+        for piece, from_target in zip(pieces, step.from_target, strict=True):
+            out.append(f"{YELLOW if from_target else GREEN}{piece}{RESET}" if color else piece)
+        context.extend(step.appended_ids)
+    text = "".join(out)
+    return text + (f"\n{DIM}[green: accepted draft tokens, yellow: the target's own token]{RESET}" if color else "")
+
+
+def summary_line(m) -> str:  # noqa: ANN001
+    acc = "n/a" if m.acceptance is None else f"{m.acceptance:.2f}"
+    return (
+        f"{m.new_tokens} new tokens in {m.seconds:.2f}s ({m.tokens_per_second:.1f} tok/s), "
+        f"{m.target_calls} target calls, block efficiency {m.block_efficiency:.2f}, acceptance {acc}, "
+        f"perplexity {m.perplexity:.2f}; time split draft {m.draft_seconds:.2f}s / target "
+        f"{m.target_seconds:.2f}s / other {m.other_seconds:.2f}s"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

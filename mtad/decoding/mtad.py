@@ -1,0 +1,55 @@
+"""Multi-token assisted decoding (MTAD): beam draft, joint verification, longest passing prefix."""
+
+from __future__ import annotations
+
+import torch
+
+from mtad.decoding.autoregressive import ar_step
+from mtad.decoding.beams import beam_draft
+from mtad.decoding.rules import mtad_accept_length_t
+from mtad.decoding.state import DecodeState, to_host
+from mtad.events import Step
+from mtad.sampling import pick
+
+
+def mtad_step(st: DecodeState) -> Step:
+    """One MTAD iteration: eta accepted drafts plus one token from the target at eta+1."""
+    g = st.draft_length()
+    if g <= 0:
+        return ar_step(st)
+    t0 = st.begin()
+    beams = beam_draft(st, g)
+    draft = beams.tokens[beams.best]
+    lq_x = beams.token_logq[beams.best]
+
+    logits = st.run_target(draft)
+    log_p = st.judged(logits)
+    lp_x = log_p[:g].gather(1, draft[:, None])[:, 0]
+    joint_p, joint_q = lp_x.cumsum(0), lq_x.cumsum(0)
+    eta = mtad_accept_length_t(joint_p, joint_q, st.settings.tau)
+    extra = pick(log_p[eta], st.settings, st.generator)
+
+    rows = torch.arange(g + 1, device=st.device)
+    kept = torch.where(rows < eta, torch.cat([draft, draft[:1]]), extra)
+    kept_lp = torch.log_softmax(logits, dim=-1)[rows, kept]
+    host = to_host(beams.tokens, beams.scores, beams.best, joint_p, joint_q, eta, extra, kept_lp)
+    all_beams, scores, best, jp, jq, eta_i, extra_i, kept_lps = host
+    width = len(scores)
+    all_beams = [all_beams[i * g : (i + 1) * g] for i in range(width)]
+    draft_ids = all_beams[best]
+
+    step = Step(
+        index=0,
+        method="mtad",
+        draft_ids=draft_ids,
+        log_p=jp,
+        log_q=jq,
+        accepted=eta_i,
+        from_target=[False] * eta_i + [True],
+        target_logprobs=kept_lps[: eta_i + 1],
+        beams=all_beams,
+        beam_scores=scores,
+        best_beam=best,
+        draft_calls=g,
+    )
+    return st.finish(t0, step, draft_ids[:eta_i] + [extra_i], eta_i)

@@ -1,0 +1,48 @@
+"""The acceptance rules as pure functions, shared by the decoders and the UI's re-judging."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+
+def mtad_passes(log_p: Sequence[float], log_q: Sequence[float], tau: float) -> list[bool]:
+    """Prefix j passes iff min(1, p_j / q_j) > tau, judged in log space.
+
+    tau = 1 passes nothing (min(1, .) never exceeds 1); tau = 0 passes every prefix the
+    target gives non-zero probability.
+    """
+    if tau >= 1.0:
+        return [False] * len(log_p)
+    log_tau = math.log(tau) if tau > 0 else -math.inf
+    return [lp - lq > log_tau if math.isfinite(lp) else False for lp, lq in zip(log_p, log_q, strict=True)]
+
+
+def mtad_accept_length(log_p: Sequence[float], log_q: Sequence[float], tau: float) -> int:
+    """Length of the LONGEST passing prefix (a later prefix may pass after an earlier fails)."""
+    passed = mtad_passes(log_p, log_q, tau)
+    return max((j + 1 for j, ok in enumerate(passed) if ok), default=0)
+
+
+def mtad_accept_length_t(joint_p: torch.Tensor, joint_q: torch.Tensor, tau: float) -> torch.Tensor:
+    """Device-side twin of :func:`mtad_accept_length` (no host sync): a 0-d long tensor."""
+    g = joint_p.numel()
+    if tau >= 1.0 or g == 0:
+        return torch.zeros((), dtype=torch.long, device=joint_p.device)
+    log_tau = math.log(tau) if tau > 0 else -math.inf
+    # float64, like the host twin, so re-judging the recorded joints gives the same answer.
+    ok = (joint_p.double() - joint_q.double() > log_tau) & torch.isfinite(joint_p)
+    lengths = torch.arange(1, g + 1, device=joint_p.device)
+    return (ok.long() * lengths).max()
+
+
+def sd_accept_length(token_p: Sequence[float], token_q: Sequence[float], uniforms: Sequence[float]) -> int:
+    """Speculative sampling: accept x_i while u_i < min(1, p_i(x_i) / q_i(x_i)); stop at the first reject."""
+    n = 0
+    for p, q, u in zip(token_p, token_q, uniforms, strict=True):
+        if not u * q < p:
+            break
+        n += 1
+    return n

@@ -1,0 +1,211 @@
+"""ModelPair: a draft and a target causal LM sharing one tokenizer, from presets, dirs or Hub ids."""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+DEFAULT_PRESETS = ASSETS / "pairs.toml"
+OFFLINE_PAIR = "embedded"
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+class PairError(ValueError):
+    """A pair that cannot be loaded or used, with a message meant for the user."""
+
+
+@dataclass(frozen=True)
+class Preset:
+    """One named pair from the presets file."""
+
+    name: str
+    draft: str
+    target: str
+    description: str
+    prompts: str | None = None
+    needs_hub: bool = False
+
+
+@dataclass
+class ModelPair:
+    """Draft model, target model and their one tokenizer, on one device."""
+
+    draft: torch.nn.Module
+    target: torch.nn.Module
+    tokenizer: PreTrainedTokenizerBase
+    device: torch.device
+    dtype: torch.dtype
+    name: str = "custom"
+    vocab_size: int = 0
+    eos_ids: frozenset[int] = field(default_factory=frozenset)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text)["input_ids"])
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def context_length(self, with_draft: bool = True) -> int:
+        """Longest prompt + generation the models take (the draft's too when it is used)."""
+        models = [self.target, self.draft] if with_draft else [self.target]
+        return min(_max_positions(m) for m in models)
+
+    def parameters(self) -> tuple[int, int]:
+        """(draft, target) parameter counts."""
+        return tuple(sum(p.numel() for p in m.parameters()) for m in (self.draft, self.target))
+
+
+def resolve_device(device: str | None = "auto") -> torch.device:
+    """CUDA when there is one, else the CPU; an explicit choice wins."""
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise PairError(f"device {device!r} asked for, but this machine has no CUDA GPU; use --device cpu")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """bf16 on CUDA, fp32 on the CPU; an explicit choice wins."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise PairError(f"dtype must be auto or one of {', '.join(DTYPES)}; got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def load(
+    draft: str,
+    target: str,
+    *,
+    device: str | None = "auto",
+    dtype: str | torch.dtype | None = "auto",
+    name: str = "custom",
+) -> ModelPair:
+    """Load a pair from local directories or Hub ids with ``from_pretrained`` (never remote code)."""
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    tok_t = _load(AutoTokenizer, target, name)
+    tok_d = _load(AutoTokenizer, draft, name, optional=True) or tok_t
+    if tok_d.get_vocab() != tok_t.get_vocab():
+        raise PairError(
+            f"the draft and target tokenizers differ: the draft's vocabulary has {len(tok_d)} tokens, "
+            f"the target's {len(tok_t)}; speculative decoding needs one shared tokenizer"
+        )
+    models = [_load(AutoModelForCausalLM, src, name, dtype=dt).to(dev).eval() for src in (draft, target)]
+    sizes = [m.get_output_embeddings().weight.shape[0] for m in models]
+    if min(sizes) < len(tok_t):
+        raise PairError(
+            f"a model's output layer is smaller than the tokenizer: draft {sizes[0]}, target {sizes[1]}, "
+            f"tokenizer {len(tok_t)} tokens"
+        )
+    eos = {tok_t.eos_token_id} if tok_t.eos_token_id is not None else set()
+    for m in models[1:]:
+        cfg_eos = getattr(m.generation_config, "eos_token_id", None)
+        eos |= set(cfg_eos if isinstance(cfg_eos, list) else [] if cfg_eos is None else [cfg_eos])
+    return ModelPair(
+        draft=models[0],
+        target=models[1],
+        tokenizer=tok_t,
+        device=dev,
+        dtype=dt,
+        name=name,
+        vocab_size=min(sizes),
+        eos_ids=frozenset(eos),
+    )
+
+
+def presets_path() -> Path:
+    """The operator's presets file: ``MTAD_PAIRS`` if set, else ``assets/pairs.toml``."""
+    return Path(os.environ.get("MTAD_PAIRS", DEFAULT_PRESETS))
+
+
+def presets(path: Path | None = None) -> dict[str, Preset]:
+    """Named pairs from the presets file; local paths in it are relative to the file."""
+    path = path or presets_path()
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise PairError(f"cannot read the pair presets file {path}: {exc}") from exc
+    out = {}
+    for name, entry in data.get("pairs", {}).items():
+        missing = [k for k in ("draft", "target", "description") if k not in entry]
+        if missing:
+            raise PairError(f"preset {name!r} in {path} lacks {', '.join(missing)}")
+        draft, target = (_local_or_id(entry[k], path.parent) for k in ("draft", "target"))
+        prompts = entry.get("prompts")
+        out[name] = Preset(
+            name=name,
+            draft=draft,
+            target=target,
+            description=entry["description"],
+            prompts=str(path.parent / prompts) if prompts else None,
+            needs_hub=not (Path(draft).is_dir() and Path(target).is_dir()),
+        )
+    return out
+
+
+def default_pair_name() -> str:
+    """``MTAD_PAIR`` if set, else the offline embedded pair."""
+    return os.environ.get("MTAD_PAIR", OFFLINE_PAIR)
+
+
+def load_pair(name: str, *, device: str | None = "auto", dtype: str | torch.dtype | None = "auto") -> ModelPair:
+    """Load a preset by name; a Hub pair that cannot be reached says so and names the offline pair."""
+    table = presets()
+    if name not in table:
+        raise PairError(f"unknown pair {name!r}; the presets are: {', '.join(sorted(table))}")
+    p = table[name]
+    return load(p.draft, p.target, device=device, dtype=dtype, name=name)
+
+
+def _local_or_id(value: str, base: Path) -> str:
+    local = (base / value).resolve()
+    return str(local) if local.is_dir() else value
+
+
+def _max_positions(model: torch.nn.Module) -> int:
+    cfg = model.config
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        val = getattr(cfg, key, None)
+        if isinstance(val, int) and val > 0:
+            return val
+    return 1 << 30
+
+
+def _load(auto, source: str, pair_name: str, optional: bool = False, **kwargs):  # noqa: ANN001, ANN202
+    """``auto.from_pretrained`` with ``trust_remote_code=False`` and readable failures."""
+    is_dir = Path(source).is_dir()
+    if not is_dir and (source.startswith((".", "/", "~")) or source.count("/") > 1):
+        raise PairError(f"no model directory at {source!r}")
+    try:
+        return auto.from_pretrained(source, trust_remote_code=False, **kwargs)
+    except (OSError, ValueError) as exc:
+        if optional and is_dir:
+            return None
+        if is_dir:
+            raise PairError(f"cannot load {source!r}: {exc}") from exc
+        raise PairError(
+            f"pair {pair_name!r} needs the Hugging Face Hub to fetch {source!r}, and it could not be "
+            f"loaded ({_first_line(exc)}); offline, use the {OFFLINE_PAIR!r} pair"
+        ) from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:200] if text else type(exc).__name__

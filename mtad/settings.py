@@ -1,0 +1,78 @@
+"""Decoding settings and their validation: one place that says what is allowed."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+
+METHODS = ("ar", "sd", "mtad")
+DRAFT_MODES = ("beam", "beam-sample")
+GAMMA_RANGE = (1, 32)
+BEAMS_RANGE = (1, 64)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything that decides what a decoder does, for any method.
+
+    Sampling defaults are the paper's (T=1, top-k 20, top-p 0.9). ``greedy`` is the
+    T→0 limit: argmax everywhere, no randomness.
+    """
+
+    method: str = "mtad"
+    greedy: bool = False
+    temperature: float = 1.0
+    top_k: int = 20
+    top_p: float = 0.9
+    gamma: int = 4
+    beams: int = 8
+    tau: float = 0.1
+    draft_mode: str = "beam"
+    max_new_tokens: int = 128
+    seed: int = 0
+
+    def validate(self) -> Settings:
+        """Raise ``ValueError`` naming the allowed range for the first bad field."""
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {', '.join(METHODS)}; got {self.method!r}")
+        if self.draft_mode not in DRAFT_MODES:
+            raise ValueError(f"draft mode must be one of {', '.join(DRAFT_MODES)}; got {self.draft_mode!r}")
+        _int_in("gamma (draft length)", self.gamma, *GAMMA_RANGE)
+        _int_in("beams", self.beams, *BEAMS_RANGE)
+        if not _finite(self.tau) or not 0.0 <= self.tau <= 1.0:
+            raise ValueError(f"tau must be between 0 and 1 (inclusive); got {self.tau}")
+        if not _finite(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top-p must be in (0, 1]; got {self.top_p}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top-k must be an integer >= 0 (0 turns it off); got {self.top_k}")
+        if not _finite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 means greedy); got {self.temperature}")
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max new tokens must be an integer >= 1; got {self.max_new_tokens}")
+        if self.greedy and self.draft_mode == "beam-sample":
+            raise ValueError(
+                "greedy decoding and stochastic beam sampling contradict each other: "
+                "use draft mode 'beam' with greedy, or turn greedy off to sample"
+            )
+        return self
+
+    @property
+    def is_greedy(self) -> bool:
+        """Greedy when asked for, or when the temperature is 0 (the T→0 limit)."""
+        return self.greedy or self.temperature == 0
+
+    def with_(self, **changes: object) -> Settings:
+        """A copy with some fields changed (frozen dataclass helper)."""
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _finite(x: float) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _int_in(name: str, value: int, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ValueError(f"{name} must be an integer from {lo} to {hi}; got {value}")

@@ -1,0 +1,97 @@
+"""Tiny real models the tests build themselves in seconds: a trained BPE tokenizer and random Llamas."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from mtad.pair import ModelPair, load
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(2)
+
+EOS = "<eos>"
+
+
+def make_tokenizer(alphabet: str, vocab_size: int, seed: int = 0) -> PreTrainedTokenizerFast:
+    """A character BPE trained on a seeded random corpus over ``alphabet``."""
+    g = torch.Generator().manual_seed(seed)
+    corpus = ["".join(alphabet[int(i)] for i in torch.randint(len(alphabet), (64,), generator=g)) for _ in range(200)]
+    tok = Tokenizer(models.BPE())
+    tok.decoder = decoders.BPEDecoder()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[EOS], initial_alphabet=list(alphabet), show_progress=False
+    )
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS)
+    fast.clean_up_tokenization_spaces = False
+    return fast
+
+
+def make_model(vocab: int, hidden: int, layers: int, seed: int, init: float = 0.02) -> LlamaForCausalLM:
+    """A random tiny Llama; a larger ``init`` gives peaked, varied next-token distributions."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=init,
+        eos_token_id=0,
+        bos_token_id=0,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def save_pair(
+    root: Path, tok: PreTrainedTokenizerFast, draft: LlamaForCausalLM, target: LlamaForCausalLM
+) -> tuple[str, str]:
+    dirs = []
+    for name, model in (("draft", draft), ("target", target)):
+        d = root / name
+        model.save_pretrained(d)
+        tok.save_pretrained(d)
+        dirs.append(str(d))
+    return dirs[0], dirs[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """Draft and target directories of a 64-token pair (target bigger than draft)."""
+    tok = make_tokenizer("abcdefgh ", 64)
+    vocab = len(tok)
+    return save_pair(
+        tmp_path_factory.mktemp("tiny"),
+        tok,
+        make_model(vocab, 32, 1, seed=1, init=0.2),
+        make_model(vocab, 64, 2, seed=2, init=0.2),
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tiny_dirs: tuple[str, str]) -> ModelPair:
+    return load(*tiny_dirs, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def micro_pair(tmp_path_factory: pytest.TempPathFactory) -> ModelPair:
+    """A pair over a 10-token vocabulary whose draft and target disagree a lot (statistical tests)."""
+    tok = make_tokenizer("abc", 10)
+    vocab = len(tok)
+    dirs = save_pair(
+        tmp_path_factory.mktemp("micro"),
+        tok,
+        make_model(vocab, 16, 1, seed=3, init=0.6),
+        make_model(vocab, 32, 1, seed=4, init=0.6),
+    )
+    return load(*dirs, device="cpu")

@@ -1,0 +1,193 @@
+"""Decoders on tiny real models: caches, greedy equalities, MTAD's rule end to end, budgets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mtad.decoding import decode, generate
+from mtad.decoding.beams import beam_draft
+from mtad.decoding.mtad import mtad_step
+from mtad.decoding.rules import mtad_accept_length
+from mtad.decoding.state import DecodeState
+from mtad.pair import ModelPair
+from mtad.settings import Settings
+
+PROMPT = "abc def gh"
+
+
+def full_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+
+
+def cached_next_logits(lm, ids: list[int]) -> torch.Tensor:  # noqa: ANN001
+    """Logits after ``ids`` from the cache (feed only what it lacks), then restore the cache."""
+    before = lm.length
+    logits = lm.feed(torch.tensor([ids[before:]]), keep=1)[0, -1]
+    lm.rollback(before)
+    return logits
+
+
+@pytest.mark.parametrize("draft_mode", ["beam", "beam-sample"])
+def test_kv_cache_matches_full_recompute(tiny_pair: ModelPair, draft_mode: str) -> None:
+    s = Settings(method="mtad", gamma=4, beams=4, tau=0.3, draft_mode=draft_mode, max_new_tokens=60, seed=3)
+    st = DecodeState.start(tiny_pair, tiny_pair.encode(PROMPT), s)
+    rolled_back = 0
+    for _ in range(6):
+        step = mtad_step(st)
+        rolled_back += step.accepted < len(step.draft_ids)
+        assert st.target.length <= len(st.ids) and st.draft.length <= len(st.ids)
+        for lm, model in ((st.target, tiny_pair.target), (st.draft, tiny_pair.draft)):
+            torch.testing.assert_close(cached_next_logits(lm, st.ids), full_logits(model, st.ids), rtol=1e-4, atol=1e-4)
+    assert rolled_back > 0, "the run never rolled a cache back: the test did not exercise crop()"
+
+
+def test_beam_reorder_keeps_each_row_consistent(tiny_pair: ModelPair) -> None:
+    s = Settings(method="mtad", gamma=4, beams=6, greedy=True, max_new_tokens=40)
+    st = DecodeState.start(tiny_pair, tiny_pair.encode(PROMPT), s)
+    beams = beam_draft(st, 4)
+    best = beams.tokens[beams.best].tolist()
+    # the draft cache now holds context + the best beam's first g-1 tokens
+    assert st.draft.length == len(st.ids) + 3
+    ids = st.ids + best[:3]
+    cached = st.draft.feed(torch.tensor([[best[3]]]), keep=1)[0, -1]
+    torch.testing.assert_close(cached, full_logits(tiny_pair.draft, ids + [best[3]]), rtol=1e-4, atol=1e-4)
+    # scores are the joint log q of each beam under the draft
+    with torch.inference_mode():
+        lq = torch.log_softmax(tiny_pair.draft(input_ids=torch.tensor([st.ids + best])).logits[0].float(), -1)
+    n = len(st.ids)
+    want = sum(lq[n - 1 + i, t] for i, t in enumerate(best))
+    assert float(beams.scores[beams.best]) == pytest.approx(float(want), abs=1e-4)
+
+
+def test_deterministic_beam_draft_equals_hf_beam_search(tiny_pair: ModelPair) -> None:
+    for width, gamma, prompt in ((4, 4, PROMPT), (8, 3, "hhh a"), (2, 5, "fed")):
+        s = Settings(method="mtad", gamma=gamma, beams=width, greedy=True, max_new_tokens=40)
+        ids = tiny_pair.encode(prompt)
+        st = DecodeState.start(tiny_pair, ids, s)
+        beams = beam_draft(st, gamma)
+        ours = beams.tokens[beams.best].tolist()
+        hf = tiny_pair.draft.generate(
+            torch.tensor([ids]),
+            num_beams=width,
+            do_sample=False,
+            max_new_tokens=gamma,
+            min_new_tokens=gamma,
+            eos_token_id=None,
+            pad_token_id=0,
+            length_penalty=1.0,
+        )
+        assert ours == hf[0, len(ids) :].tolist(), (width, gamma, prompt)
+
+
+def test_greedy_sd_equals_greedy_ar_and_transformers(tiny_pair: ModelPair) -> None:
+    for prompt in (PROMPT, "a", "ggg hhh abcabc"):
+        ar = generate(tiny_pair, prompt, Settings(method="ar", greedy=True, max_new_tokens=40)).new_ids
+        for gamma in (1, 3, 7):
+            sd = generate(tiny_pair, prompt, Settings(method="sd", greedy=True, gamma=gamma, max_new_tokens=40))
+            assert sd.new_ids == ar, (prompt, gamma)
+        ids = torch.tensor([tiny_pair.encode(prompt)])
+        hf = tiny_pair.target.generate(ids, do_sample=False, max_new_tokens=40, pad_token_id=0)
+        assisted = tiny_pair.target.generate(
+            ids, do_sample=False, max_new_tokens=40, pad_token_id=0, assistant_model=tiny_pair.draft
+        )
+        assert hf[0, ids.shape[1] :].tolist() == ar
+        assert assisted[0, ids.shape[1] :].tolist() == ar
+
+
+def test_mtad_tau_one_is_greedy_ar_and_tau_zero_takes_every_draft(tiny_pair: ModelPair) -> None:
+    ar = generate(tiny_pair, PROMPT, Settings(method="ar", greedy=True, max_new_tokens=30)).new_ids
+    one = generate(tiny_pair, PROMPT, Settings(method="mtad", greedy=True, tau=1.0, max_new_tokens=30))
+    assert one.new_ids == ar and all(s.accepted == 0 for s in one.steps)
+    zero = generate(tiny_pair, PROMPT, Settings(method="mtad", greedy=True, tau=0.0, gamma=4, max_new_tokens=30))
+    assert all(s.accepted == len(s.draft_ids) for s in zero.steps)
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_mtad_trace_and_target_token(tiny_pair: ModelPair, greedy: bool) -> None:
+    s = Settings(method="mtad", greedy=greedy, tau=0.2, gamma=4, beams=4, max_new_tokens=50, seed=5)
+    run = generate(tiny_pair, PROMPT, s)
+    context = list(run.prompt_ids)
+    for step in run.steps:
+        # the recorded joints give the recorded decision under the same rule
+        assert step.accepted == mtad_accept_length(step.log_p, step.log_q, s.tau)
+        assert step.appended_ids[: step.accepted] == step.draft_ids[: step.accepted]
+        assert step.from_target == [False] * step.accepted + [True]
+        after = context + step.draft_ids[: step.accepted]
+        logits = full_logits(tiny_pair.target, after)
+        extra = step.appended_ids[-1]
+        if greedy:
+            assert extra == int(logits.argmax())  # the target's own argmax at position eta+1
+        lp = torch.log_softmax(logits, -1)[extra]
+        assert step.target_logprobs[-1] == pytest.approx(float(lp), abs=1e-4)
+        context.extend(step.appended_ids)
+
+
+@pytest.mark.parametrize("method", ["ar", "sd", "mtad"])
+@pytest.mark.parametrize("greedy", [True, False])
+def test_budget_seed_and_prompt_not_counted(tiny_pair: ModelPair, method: str, greedy: bool) -> None:
+    for budget in (1, 2, 5, 17):
+        s = Settings(method=method, greedy=greedy, gamma=4, beams=3, max_new_tokens=budget, seed=11)
+        run = generate(tiny_pair, PROMPT, s)
+        n = sum(len(st.appended_ids) for st in run.steps)
+        assert n == len(run.new_ids) <= budget
+        assert n == budget or run.steps[-1].eos
+        assert len(run.prompt_ids) == len(tiny_pair.encode(PROMPT))
+        again = generate(tiny_pair, PROMPT, s)
+        assert again.new_ids == run.new_ids
+
+
+@pytest.mark.parametrize("method", ["ar", "sd", "mtad"])
+def test_stops_at_eos(tiny_pair: ModelPair, method: str) -> None:
+    s = Settings(method=method, greedy=True, gamma=4, max_new_tokens=20)
+    free = generate(tiny_pair, PROMPT, s).new_ids
+    stop_at = next(i for i, t in enumerate(free) if t not in free[:i] and i >= 3)
+    pair = ModelPair(**{**tiny_pair.__dict__, "eos_ids": frozenset({free[stop_at]})})
+    run = generate(pair, PROMPT, s)
+    assert run.new_ids == free[: stop_at + 1]
+    assert run.steps[-1].eos
+
+
+def test_seeds_differ(tiny_pair: ModelPair) -> None:
+    outs = {
+        tuple(
+            generate(
+                tiny_pair, PROMPT, Settings(method="mtad", draft_mode="beam-sample", seed=k, max_new_tokens=12)
+            ).new_ids
+        )
+        for k in range(4)
+    }
+    assert len(outs) > 1
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"gamma": 0}, "gamma"),
+        ({"gamma": 33}, "gamma"),
+        ({"beams": 0}, "beams"),
+        ({"beams": 65}, "beams"),
+        ({"tau": -0.1}, "tau"),
+        ({"tau": 1.5}, "tau"),
+        ({"top_p": 0.0}, "top-p"),
+        ({"top_p": 1.2}, "top-p"),
+        ({"top_k": -1}, "top-k"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"max_new_tokens": 0}, "max new tokens"),
+        ({"greedy": True, "draft_mode": "beam-sample"}, "contradict"),
+    ],
+)
+def test_bad_settings_are_refused(tiny_pair: ModelPair, change: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        generate(tiny_pair, PROMPT, Settings(**change))
+
+
+def test_bad_prompts_are_refused(tiny_pair: ModelPair) -> None:
+    for prompt in ("", "   \n\t"):
+        with pytest.raises(ValueError, match="empty"):
+            generate(tiny_pair, prompt, Settings())
+    with pytest.raises(ValueError, match="context length of 256"):
+        generate(tiny_pair, "abc " * 200, Settings(max_new_tokens=10))
+    with pytest.raises(ValueError, match="context length"):
+        list(decode(tiny_pair, [1, 2, 3], Settings(max_new_tokens=254)))
