@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import socket
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
@@ -193,17 +195,41 @@ def _load(auto, source: str, pair_name: str, optional: bool = False, **kwargs): 
     is_dir = Path(source).is_dir()
     if not is_dir and (source.startswith((".", "/", "~")) or source.count("/") > 1):
         raise PairError(f"no model directory at {source!r}")
+    if is_dir:
+        try:
+            return auto.from_pretrained(source, trust_remote_code=False, **kwargs)
+        except (OSError, ValueError) as exc:
+            if optional:
+                return None
+            raise PairError(f"cannot load {source!r}: {_first_line(exc)}") from exc
+    try:  # a Hub id: the local cache first, so a cached pair works offline
+        return auto.from_pretrained(source, trust_remote_code=False, local_files_only=True, **kwargs)
+    except (OSError, ValueError):
+        pass
+    reason = _hub_unreachable()
+    if reason is None:
+        try:
+            return auto.from_pretrained(source, trust_remote_code=False, **kwargs)
+        except (OSError, ValueError) as exc:
+            reason = _first_line(exc)
+    raise PairError(
+        f"pair {pair_name!r} needs the Hugging Face Hub to fetch {source!r}, and it could not be loaded "
+        f"({reason}); offline, use the {OFFLINE_PAIR!r} pair"
+    )
+
+
+def _hub_unreachable(timeout: float = 3.0) -> str | None:
+    """Why the Hub cannot be reached (offline mode, DNS, refused), or None when it answers."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    url = urlparse(constants.ENDPOINT)
     try:
-        return auto.from_pretrained(source, trust_remote_code=False, **kwargs)
-    except (OSError, ValueError) as exc:
-        if optional and is_dir:
-            return None
-        if is_dir:
-            raise PairError(f"cannot load {source!r}: {exc}") from exc
-        raise PairError(
-            f"pair {pair_name!r} needs the Hugging Face Hub to fetch {source!r}, and it could not be "
-            f"loaded ({_first_line(exc)}); offline, use the {OFFLINE_PAIR!r} pair"
-        ) from exc
+        socket.create_connection((url.hostname, url.port or 443), timeout=timeout).close()
+    except OSError as exc:
+        return f"{url.hostname} is unreachable: {exc.strerror or exc}"
+    return None
 
 
 def _first_line(exc: BaseException) -> str:
