@@ -163,8 +163,13 @@ def presets(path: Path | None = None) -> dict[str, Preset]:
 
 
 def default_pair_name() -> str:
-    """``MTAD_PAIR`` if set, else the offline embedded pair."""
-    return os.environ.get("MTAD_PAIR", OFFLINE_PAIR)
+    """``MTAD_PAIR`` if set, else the presets file's ``default``, else the offline embedded pair."""
+    if os.environ.get("MTAD_PAIR"):
+        return os.environ["MTAD_PAIR"]
+    try:
+        return tomllib.loads(presets_path().read_text()).get("default", OFFLINE_PAIR)
+    except (OSError, tomllib.TOMLDecodeError):
+        return OFFLINE_PAIR
 
 
 def load_pair(name: str, *, device: str | None = "auto", dtype: str | torch.dtype | None = "auto") -> ModelPair:
@@ -177,8 +182,10 @@ def load_pair(name: str, *, device: str | None = "auto", dtype: str | torch.dtyp
 
 
 def _local_or_id(value: str, base: Path) -> str:
-    local = (base / value).resolve()
-    return str(local) if local.is_dir() else value
+    """Paths start with ./, ../, / or ~ (relative ones to the presets file); the rest are Hub ids."""
+    if value.startswith(("./", "../", "/", "~")):
+        return str((base / Path(value).expanduser()).resolve())
+    return value
 
 
 def _max_positions(model: torch.nn.Module) -> int:
