@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import make_tokenizer, save_pair
 from transformers import OPTConfig, OPTForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from conftest import make_tokenizer, save_pair
 from mtad.decoding import generate
 from mtad.decoding.mtad import mtad_step
 from mtad.decoding.state import DecodeState
