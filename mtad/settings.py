@@ -49,10 +49,10 @@ class Settings:
             raise ValueError(f"temperature must be >= 0 (0 means greedy); got {self.temperature}")
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max new tokens must be an integer >= 1; got {self.max_new_tokens}")
-        if self.greedy and self.draft_mode == "beam-sample":
+        if self.is_greedy and self.draft_mode == "beam-sample":
             raise ValueError(
-                "greedy decoding and stochastic beam sampling contradict each other: "
-                "use draft mode 'beam' with greedy, or turn greedy off to sample"
+                "greedy decoding (greedy on, or temperature 0) and stochastic beam sampling contradict each "
+                "other: use draft mode 'beam' with greedy, or turn greedy off and set a temperature > 0 to sample"
             )
         return self
 

@@ -176,6 +176,7 @@ def test_seeds_differ(tiny_pair: ModelPair) -> None:
         ({"temperature": -1.0}, "temperature"),
         ({"max_new_tokens": 0}, "max new tokens"),
         ({"greedy": True, "draft_mode": "beam-sample"}, "contradict"),
+        ({"temperature": 0.0, "draft_mode": "beam-sample"}, "contradict"),
     ],
 )
 def test_bad_settings_are_refused(tiny_pair: ModelPair, change: dict, message: str) -> None:
