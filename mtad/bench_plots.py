@@ -1,0 +1,130 @@
+"""Plotly figures of the bench's sweeps: speed and perplexity against τ, W or γ on two y-axes (paper Fig. 3, Table 7)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+SWEEPS = {
+    "tau": ("tau_sweep", "acceptance threshold τ"),
+    "beams": ("beam_sweep", "number of beams W"),
+    "gamma": ("gamma_sweep", "draft length γ"),
+}
+PARAMS = ("gamma", "beams", "tau")
+
+
+def swept_values(aggregates: Sequence[dict], param: str) -> list:
+    """The distinct values ``param`` takes over the rows that use it."""
+    return sorted({r[param] for r in aggregates if r.get(param) is not None})
+
+
+def sweep_series(aggregates: Sequence[dict], param: str) -> dict[str, list[dict]]:
+    """Rows that use ``param``, grouped by method and the other settings (one line per group), sorted by it."""
+    groups: dict[str, list[dict]] = {}
+    for r in aggregates:
+        if r.get(param) is None:
+            continue
+        others = [f"{k}={r[k]:g}" for k in PARAMS if k != param and r.get(k) is not None and _varies(aggregates, k)]
+        key = " ".join([r["method"], *others])
+        groups.setdefault(key, []).append(r)
+    return {k: sorted(v, key=lambda r: r[param]) for k, v in groups.items()}
+
+
+def _varies(aggregates: Sequence[dict], param: str) -> bool:
+    return len(swept_values(aggregates, param)) > 1
+
+
+def sweep_figure(aggregates: Sequence[dict], param: str, subtitle: str = ""):  # noqa: ANN201
+    """Speed (left axis, solid) and perplexity (right axis, dashed) against ``param``; None if not swept.
+
+    AR's speed and perplexity, when AR was run, are drawn as dotted reference lines.
+    """
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    if len(swept_values(aggregates, param)) < 2:
+        return None
+    name, title = SWEEPS[param]
+    fig = make_subplots(specs=[[{"secondary_y": True}]])
+    for label, rows in sweep_series(aggregates, param).items():
+        x = [r[param] for r in rows]
+        fig.add_trace(
+            go.Scatter(
+                x=x,
+                y=[r["tokens_per_second_mean"] for r in rows],
+                name=f"{label}: speed",
+                mode="lines+markers",
+                error_y=_errors(rows, "tokens_per_second"),
+            ),
+            secondary_y=False,
+        )
+        fig.add_trace(
+            go.Scatter(
+                x=x,
+                y=[r["perplexity_mean"] for r in rows],
+                name=f"{label}: perplexity",
+                mode="lines+markers",
+                line={"dash": "dash"},
+                error_y=_errors(rows, "perplexity"),
+            ),
+            secondary_y=True,
+        )
+    for r in aggregates:
+        if r["method"] == "ar" and r.get("tokens_per_second_mean") is not None:
+            fig.add_hline(y=r["tokens_per_second_mean"], line_dash="dot", annotation_text="AR speed", secondary_y=False)
+            if r.get("perplexity_mean") is not None:
+                fig.add_hline(
+                    y=r["perplexity_mean"],
+                    line_dash="dot",
+                    line_color="gray",
+                    annotation_text="AR perplexity",
+                    secondary_y=True,
+                )
+            break
+    fig.update_layout(
+        title=f"Effect of the {title} on speed and perplexity" + (f"<br><sub>{subtitle}</sub>" if subtitle else ""),
+        template="plotly_white",
+        legend={"orientation": "h", "y": -0.2},
+    )
+    fig.update_xaxes(title_text=title)
+    fig.update_yaxes(title_text="speed (tokens/s)", secondary_y=False)
+    fig.update_yaxes(title_text="perplexity", secondary_y=True)
+    fig.layout.meta = {"figure": name}
+    return fig
+
+
+def _errors(rows: Sequence[dict], metric: str) -> dict | None:
+    std = [r.get(f"{metric}_std") for r in rows]
+    if all(s is None for s in std):
+        return None
+    return {"type": "data", "array": [0 if s is None else s for s in std], "visible": True}
+
+
+def kaleido_available() -> bool:
+    """Whether plotly can write PNGs here (kaleido importable); the bench never installs it."""
+    try:
+        import kaleido  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def save_sweep_figures(
+    aggregates: Sequence[dict], out: Path, subtitle: str = "", plotlyjs: str = "inline"
+) -> list[Path]:
+    """Write ``tau_sweep``/``beam_sweep``/``gamma_sweep`` as HTML (and PNG with kaleido) for each swept setting."""
+    paths = []
+    for param, (name, _) in SWEEPS.items():
+        fig = sweep_figure(aggregates, param, subtitle)
+        if fig is None:
+            continue
+        html = out / f"{name}.html"
+        fig.write_html(html, include_plotlyjs=True if plotlyjs == "inline" else "cdn")
+        paths.append(html)
+        if kaleido_available():
+            try:
+                fig.write_image(out / f"{name}.png", width=900, height=520, scale=2)
+                paths.append(out / f"{name}.png")
+            except Exception:  # kaleido present but without a browser: HTML is enough
+                pass
+    return paths
