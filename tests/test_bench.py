@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import mtad.bench as bench
-from mtad.decoding import generate
+from mtad.decoding import generate, hf_assisted
 from mtad.events import json_safe
 from mtad.metrics import Metrics, summarize
 from mtad.prompts import PromptFileError, read_prompts
@@ -252,11 +252,11 @@ def test_sampled_runs_reproduce_generate_with_the_same_seed(tiny_pair, tiny_dirs
 
 def test_hf_assisted_restores_the_draft_generation_config(tiny_pair):
     gc = tiny_pair.draft.generation_config
-    before = {k: getattr(gc, k, None) for k in bench.HF_DRAFT_OPTIONS}
+    before = {k: getattr(gc, k, None) for k in hf_assisted.HF_DRAFT_OPTIONS}
     case = bench.Case("hf-assisted", Settings(method="sd", gamma=2, max_new_tokens=6))
     steps, reading = bench.run_case(tiny_pair, case, tiny_pair.encode("abc"), seed=1)
     assert steps and reading is None
-    assert {k: getattr(gc, k, None) for k in bench.HF_DRAFT_OPTIONS} == before
+    assert {k: getattr(gc, k, None) for k in hf_assisted.HF_DRAFT_OPTIONS} == before
 
 
 def test_hf_assisted_bridges_a_padded_vocabulary(tiny_dirs, tmp_path):
@@ -272,7 +272,7 @@ def test_hf_assisted_bridges_a_padded_vocabulary(tiny_dirs, tmp_path):
     AutoTokenizer.from_pretrained(tiny_dirs[1]).save_pretrained(tmp_path / "wide")
     pair = load(tiny_dirs[0], str(tmp_path / "wide"), device="cpu")
     sizes = (pair.draft.config.vocab_size, pair.target.config.vocab_size)
-    assert sizes[0] + 8 == sizes[1] and bench.padding_ids(pair) == list(range(sizes[0], sizes[1]))
+    assert sizes[0] + 8 == sizes[1] and hf_assisted.padding_ids(pair) == list(range(sizes[0], sizes[1]))
     greedy = Settings(method="sd", greedy=True, gamma=3, max_new_tokens=8)
     for prompt in ("abc de fgh", "hag bed cab"):
         ids = pair.encode(prompt)
