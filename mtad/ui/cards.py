@@ -1,0 +1,65 @@
+"""Summary cards: each lane's numbers exactly as ``mtad.metrics.summarize`` computed them."""
+
+from __future__ import annotations
+
+import math
+from html import escape
+
+from mtad.metrics import Metrics
+from mtad.ui.record import LaneRecord
+
+
+def fmt(x: float | None, digits: int = 3) -> str:
+    """A number for a card; None or NaN shows as a dash."""
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "—"
+    return f"{x:.{digits}g}" if abs(x) < 10**digits else f"{x:.0f}"
+
+
+def energy_text(m: Metrics, lane: LaneRecord) -> str:
+    """J/token, or why there is no number (never a made-up zero)."""
+    if m.joules_per_token is not None:
+        return f"{fmt(m.joules_per_token)} J"
+    if lane.state in ("waiting", "queued"):
+        return "—"
+    if lane.energy.available and not lane.finished:
+        return "measuring…"
+    if not lane.energy.available:
+        return f"n/a — {lane.energy.reason}"
+    return "n/a — " + (m.energy_note or "no reading")
+
+
+def card_html(lane: LaneRecord) -> str:
+    """One lane's card: speed, energy, block efficiency, acceptance, perplexity, target calls."""
+    m = lane.metrics()
+    rows = [
+        ("tokens/s", fmt(m.tokens_per_second), "new tokens / seconds of this lane's own work"),
+        ("J/token", energy_text(m, lane), "joules from the energy meter / new tokens"),
+        ("block efficiency", fmt(m.block_efficiency), "new tokens per target forward pass (AR = 1)"),
+        ("acceptance", "—" if m.acceptance is None else f"{m.acceptance:.1%}", "accepted / drafted tokens"),
+        ("perplexity", fmt(m.perplexity), "under the target, unwarped, T = 1"),
+        ("target calls", str(m.target_calls), "target forward passes"),
+    ]
+    cells = "".join(
+        f'<div class="card-cell" title="{escape(tip, quote=True)}">'
+        f'<div class="card-value{" na" if v.startswith("n/a") else ""}">{escape(v)}</div>'
+        f'<div class="card-label">{escape(k)}</div></div>'
+        for k, v, tip in rows
+    )
+    split = (
+        f"{m.new_tokens} tokens in {m.seconds:.2f} s · draft {m.draft_seconds:.2f} s · "
+        f"target {m.target_seconds:.2f} s · other {m.other_seconds:.2f} s"
+    )
+    note = f'<div class="card-note">{escape(m.energy_note)}</div>' if m.energy_note else ""
+    return (
+        f'<div class="mtad-card" data-method="{escape(lane.method)}">'
+        f'<div class="card-title">{escape(lane.label)} <span class="card-state">{escape(lane.state)}</span></div>'
+        f'<div class="card-grid">{cells}</div><div class="card-split">{escape(split)}</div>{note}</div>'
+    )
+
+
+def cards_html(lanes: list[LaneRecord]) -> str:
+    """All lanes' cards side by side."""
+    if not lanes:
+        return '<div class="mtad-cards mtad-cards-empty">Summaries appear here as the lanes run.</div>'
+    return '<div class="mtad-cards">' + "".join(card_html(lane) for lane in lanes) + "</div>"

@@ -1,0 +1,27 @@
+"""The page's plain-language text: what SD guarantees, what MTAD trades, what tau does."""
+
+from __future__ import annotations
+
+INTRO = """\
+# Speculative decoding vs MTAD
+A small **draft** model guesses the next few tokens; the large **target** model checks all the guesses
+in one forward pass and keeps the ones it agrees with. Type a prompt, press **Run**, and watch both
+methods generate: which draft tokens were kept, which were thrown away, and what the target added itself.
+"""
+
+EXPLAIN = """\
+### What you are looking at
+* **Speculative decoding (SD)** drafts γ tokens one by one and accepts token *i* with probability
+  min(1, p_i/q_i), where p is the target's probability and q the draft's. At the first rejection it
+  resamples from what the target wanted and the draft did not offer; if all pass it adds a bonus token.
+  **Guarantee:** the text is distributed exactly as if the target had generated it alone, only faster.
+* **MTAD** drafts with **beam search** (W beams), then judges whole prefixes by their **joint**
+  probability: prefix j passes when min(1, p(x₁…x_j) / q(x₁…x_j)) > τ, and MTAD keeps the **longest**
+  passing prefix plus one token from the target. It gives up SD's exact guarantee to approximate
+  joint (multi-token) decoding, which usually lowers perplexity — and it often accepts more per target call.
+* **τ** is MTAD's strictness. τ = 0 accepts every beam prefix the target does not rule out; τ = 1
+  accepts nothing (MTAD becomes plain autoregressive decoding). In between, a higher τ demands that the
+  target like the draft nearly as much as the draft liked itself.
+* **Honest timing:** the lanes run one at a time on the device, each with its own clock (and energy meter);
+  **Replay** then races them on one true time axis.
+"""

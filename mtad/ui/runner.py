@@ -1,0 +1,253 @@
+"""Run orchestration: shared model pairs, one generation on the device at a time, lanes decoded in a
+worker thread (so each lane's clock and energy count only its own work), Stop at the next iteration."""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Iterator
+
+import torch
+
+from mtad.decoding import decode
+from mtad.pair import ModelPair, PairError, load_pair, presets
+from mtad.settings import Settings
+from mtad.ui.record import LaneEnergy, RunRecord
+
+log = logging.getLogger(__name__)
+
+DEVICE_LOCK = threading.Lock()
+OOM_MESSAGE = (
+    "the GPU ran out of memory; its cache was emptied. Try fewer beams, a shorter draft, fewer new tokens "
+    "or a smaller pair: the app keeps serving"
+)
+
+
+class PairCache:
+    """Model pairs loaded once per process, by preset name, shared by every visitor.
+
+    At most ``max_loaded`` pairs stay in memory (the least recently used is dropped first).
+    """
+
+    def __init__(self, max_loaded: int = 1) -> None:
+        self.max_loaded = max(1, max_loaded)
+        self._pairs: OrderedDict[str, ModelPair] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def loaded(self, name: str) -> bool:
+        return name in self._pairs
+
+    def peek(self, name: str) -> ModelPair | None:
+        """The pair if it is loaded, without loading it."""
+        return self._pairs.get(name)
+
+    def get(self, name: str) -> ModelPair:
+        """The named preset's pair, loading it on first use; ``PairError`` with a readable message."""
+        with self._lock:
+            if name in self._pairs:
+                self._pairs.move_to_end(name)
+                return self._pairs[name]
+            if name not in presets():
+                raise PairError(f"unknown pair {name!r}; pick one of: {', '.join(presets())}")
+            with DEVICE_LOCK:
+                while len(self._pairs) >= self.max_loaded:
+                    self._pairs.popitem(last=False)
+                    free_device_memory()
+                try:
+                    pair = load_pair(name)
+                except torch.cuda.OutOfMemoryError as exc:
+                    free_device_memory()
+                    raise PairError(f"pair {name!r} does not fit in the GPU's memory; use a smaller pair") from exc
+            self._pairs[name] = pair
+            return pair
+
+
+PAIRS = PairCache(int(os.environ.get("MTAD_MAX_LOADED_PAIRS", "1")))
+
+
+def free_device_memory() -> None:
+    """Return cached CUDA memory to the driver (a no-op on the CPU)."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+class CancelRegistry:
+    """One Stop flag per browser session: armed when Run is pressed, set by Stop or a closed tab."""
+
+    def __init__(self) -> None:
+        self._flags: dict[str, tuple[threading.Event, bool]] = {}
+        self._lock = threading.Lock()
+
+    def arm(self, session: str) -> threading.Event:
+        """A fresh flag for the session's next run (set it to stop that run even while it is queued)."""
+        with self._lock:
+            ev = threading.Event()
+            self._flags[session] = (ev, False)
+            return ev
+
+    def take(self, session: str) -> threading.Event:
+        """The flag a starting run watches: the armed one if unused, else a fresh one."""
+        with self._lock:
+            ev, used = self._flags.get(session, (None, True))
+            if ev is None or used:
+                ev = threading.Event()
+            self._flags[session] = (ev, True)
+            return ev
+
+    def stop(self, session: str) -> bool:
+        """Set the session's flag; True if there was one."""
+        with self._lock:
+            entry = self._flags.get(session)
+        if entry is None:
+            return False
+        entry[0].set()
+        return True
+
+    def forget(self, session: str) -> None:
+        with self._lock:
+            self._flags.pop(session, None)
+
+
+CANCELS = CancelRegistry()
+ACTIVE: set[threading.Thread] = set()
+HISTORY: deque[tuple[str, str, int]] = deque(maxlen=16)  # (method, final state, steps) of recent lanes
+
+
+def energy_tools(device: torch.device) -> tuple[object | None, object | None, str]:
+    """(meter, sampler, reason) from ``mtad.energy``; (None, None, reason) where there is none."""
+    try:
+        from mtad.energy import EnergyMeter, PowerSampler
+    except ImportError:
+        return None, None, "no energy meter installed"
+    try:
+        meter, sampler = EnergyMeter(device), PowerSampler(device, hz=20)
+    except Exception as exc:  # noqa: BLE001 - a broken meter must never break a run
+        return None, None, f"energy meter failed: {exc}"
+    if not meter.available:
+        return None, None, meter.reason or "no GPU"
+    return meter, (sampler if sampler.available else None), ""
+
+
+class LaneWorker(threading.Thread):
+    """Decodes one lane on the device, alone, and reports each Step through ``events``.
+
+    Events: ("started", LaneEnergy without readings), ("step", Step, wall_seconds_since_start),
+    ("end", state, error, LaneEnergy).
+    """
+
+    def __init__(self, pair: ModelPair, prompt_ids: list[int], settings: Settings, cancel: threading.Event) -> None:
+        super().__init__(daemon=True, name=f"mtad-lane-{settings.method}")
+        self.pair, self.prompt_ids, self.settings, self.cancel = pair, prompt_ids, settings, cancel
+        self.events: queue.Queue = queue.Queue()
+        self.sampler: object | None = None
+
+    def live_samples(self) -> list[tuple[float, float]]:
+        """Power samples so far (empty without a sampler)."""
+        try:
+            return list(self.sampler.samples()) if self.sampler is not None else []
+        except Exception:  # noqa: BLE001
+            return []
+
+    def run(self) -> None:
+        ACTIVE.add(self)
+        try:
+            with DEVICE_LOCK:
+                self._decode()
+        finally:
+            ACTIVE.discard(self)
+
+    def _decode(self) -> None:
+        meter, self.sampler, reason = energy_tools(self.pair.device)
+        energy = LaneEnergy(available=meter is not None, reason=reason or "")
+        self.events.put(("started", LaneEnergy(available=energy.available, reason=energy.reason)))
+        state, error, n = "done", None, 0
+        if meter is not None:
+            meter.start()
+        if self.sampler is not None:
+            self.sampler.start()
+        t0 = time.perf_counter()
+        try:
+            if self.cancel.is_set():
+                state = "stopped"
+            else:
+                for step in decode(self.pair, self.prompt_ids, self.settings):
+                    self.events.put(("step", step, time.perf_counter() - t0))
+                    n += 1
+                    if self.cancel.is_set():
+                        state = "stopped"
+                        break
+        except torch.cuda.OutOfMemoryError:
+            free_device_memory()
+            state, error = "error", OOM_MESSAGE
+        except ValueError as exc:
+            state, error = "error", str(exc)
+        except Exception as exc:  # noqa: BLE001 - the visitor gets a message, the log gets the traceback
+            log.exception("decoding failed")
+            state, error = "error", f"internal error while decoding ({type(exc).__name__}); see the server log"
+        finally:
+            if meter is not None:
+                reading = meter.stop()
+                energy.joules, energy.note, energy.source = reading.joules, reading.note, reading.source
+            if self.sampler is not None:
+                self.sampler.stop()
+                energy.samples = self.live_samples()
+            HISTORY.append((self.settings.method, state, n))
+            self.events.put(("end", state, error, energy))
+
+
+def run_lanes(
+    pair: ModelPair, record: RunRecord, settings: Settings, cancel: threading.Event, interval: float = 0.1
+) -> Iterator[RunRecord]:
+    """Decode the record's lanes one after another, yielding the record as it fills (at most every
+    ``interval`` seconds, and whenever a lane ends). Closing this generator stops the worker at its
+    next iteration and frees the device."""
+    for method, lane in record.lanes.items():
+        if cancel.is_set():
+            lane.state = "stopped"
+            continue
+        lane.state = "queued"
+        worker = LaneWorker(pair, lane.prompt_ids, settings.with_(method=method), cancel)
+        worker.start()
+        try:
+            last = 0.0
+            yield record
+            while not lane.finished:
+                changed = _drain(worker, lane, pair.tokenizer, interval)
+                if lane.finished or (changed and time.perf_counter() - last >= interval):
+                    if worker.sampler is not None and not lane.finished:
+                        lane.energy.samples = worker.live_samples()
+                    last = time.perf_counter()
+                    yield record
+        finally:
+            if not lane.finished:
+                cancel.set()  # closed (Stop, cancelled job, closed tab): stop at the next iteration
+        if lane.state == "error":
+            for other in record.lanes.values():
+                if other.state == "waiting":
+                    other.state = "stopped"
+            break
+
+
+def _drain(worker: LaneWorker, lane: object, tokenizer: object, wait: float) -> bool:
+    """Apply the worker's pending events to the lane; True if anything changed."""
+    deadline = time.perf_counter() + wait
+    changed = False
+    while True:
+        timeout = deadline - time.perf_counter()
+        try:
+            ev = worker.events.get(timeout=timeout) if timeout > 0 and not changed else worker.events.get_nowait()
+        except queue.Empty:
+            return changed
+        changed = True
+        if ev[0] == "started":
+            lane.state, lane.energy = "running", ev[1]
+        elif ev[0] == "step":
+            lane.add(ev[1], tokenizer, ev[2])
+        elif ev[0] == "end":
+            _, state, error, energy = ev
+            lane.state, lane.error, lane.energy = state, error, energy
+            return True

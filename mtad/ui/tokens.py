@@ -1,0 +1,106 @@
+"""Token spans: a lane's text as HTML, each token coloured by who produced it, all text escaped."""
+
+from __future__ import annotations
+
+import math
+from html import escape
+
+from mtad.events import Step
+from mtad.ui.record import LaneRecord
+
+STATE_BADGES = {
+    "waiting": "waiting",
+    "queued": "waiting for the device",
+    "running": "generating…",
+    "done": "done",
+    "stopped": "stopped",
+    "error": "error",
+}
+
+
+def prob(logp: float) -> str:
+    """A probability from its log, compactly (log 0 = -inf shows as 0)."""
+    if not math.isfinite(logp):
+        return "0"
+    return f"{math.exp(logp):.3g}"
+
+
+def visible(piece: str) -> str:
+    """Show layout characters of a thrown-away token (it is not part of the text)."""
+    return piece.replace("\n", "↵").replace("\t", "→") or "∅"
+
+
+def target_kind(step: Step) -> str:
+    """What the target's own token is in this step, in words."""
+    if step.method == "ar" or not step.draft_ids:
+        return "target token (autoregressive)"
+    if step.method == "sd":
+        return "bonus token (all drafts accepted)" if step.accepted == len(step.draft_ids) else "resampled token"
+    return f"target's token at position {step.accepted + 1}"
+
+
+def _span(cls: str, text: str, title: str) -> str:
+    return f'<span class="tok {cls}" title="{escape(title, quote=True)}">{escape(text, quote=True)}</span>'
+
+
+def _draft_title(step: Step, i: int, verdict: str) -> str:
+    p, q = step.token_log_p[i], step.token_log_q[i]
+    parts = [f"{verdict} draft token {i + 1}", f"p {prob(p)}", f"q {prob(q)}"]
+    if step.uniforms is not None and i < len(step.uniforms):
+        parts.append(f"u {step.uniforms[i]:.3f}")
+    parts.append(f"iteration {step.index + 1}")
+    return " · ".join(parts)
+
+
+def step_html(step: Step, appended: list[str], rejected: list[str]) -> str:
+    """One iteration: accepted drafts, rejected drafts (struck through), then the target's token."""
+    out = []
+    kept_drafts = [k for k, t in enumerate(step.from_target) if not t]
+    for k in kept_drafts:
+        out.append(_span("tok-acc", appended[k], _draft_title(step, k, "accepted")))
+    for k, piece in enumerate(rejected):
+        out.append(_span("tok-rej", visible(piece), _draft_title(step, step.accepted + k, "rejected")))
+    for k, from_target in enumerate(step.from_target):
+        if not from_target:
+            continue
+        lp = step.target_logprobs[k] if k < len(step.target_logprobs) else float("nan")
+        title = f"{target_kind(step)} · p {prob(lp)} (target, T=1) · q — (not drafted) · iteration {step.index + 1}"
+        text = appended[k]
+        if step.eos and k == len(step.appended_ids) - 1 and not text:
+            text = "⟨eos⟩"
+        out.append(_span("tok-tgt", text, title))
+    parity = "odd" if step.index % 2 else "even"
+    return f'<span class="it it-{parity}" data-it="{step.index}">{"".join(out)}</span>'
+
+
+def lane_html(lane: LaneRecord | None, prompt: str, upto: int | None = None, note: str = "") -> str:
+    """A lane box: its title, state, counts, the prompt (muted) and its first ``upto`` steps."""
+    if lane is None:
+        return '<div class="mtad-lane mtad-lane-empty"><div class="lane-body">Press Run to generate.</div></div>'
+    n = len(lane.steps) if upto is None else min(upto, len(lane.steps))
+    tokens = sum(len(s.appended_ids) for s in lane.steps[:n])
+    state = lane.state if upto is None or n == len(lane.steps) else "running"
+    badge = STATE_BADGES.get(state, state)
+    body = "".join(step_html(lane.steps[i], lane.appended_pieces[i], lane.rejected_pieces[i]) for i in range(n))
+    error = f'<div class="lane-error">{escape(lane.error)}</div>' if lane.error else ""
+    extra = f'<span class="lane-note">{escape(note)}</span>' if note else ""
+    return (
+        f'<div class="mtad-lane" data-method="{escape(lane.method)}" data-state="{escape(state)}">'
+        f'<div class="lane-head"><span class="lane-title">{escape(lane.label)}</span>'
+        f'<span class="lane-badge lane-{escape(state)}">{escape(badge)}</span>{extra}'
+        f'<span class="lane-count">{tokens} tokens · {n} iterations</span></div>'
+        f'<div class="lane-scroll"><div class="lane-body"><span class="tok-prompt">{escape(prompt)}</span>{body}</div></div>'
+        f"{error}</div>"
+    )
+
+
+def legend_html() -> str:
+    """The key to the token colours."""
+    return (
+        '<div class="mtad-legend">'
+        '<span><span class="tok tok-acc">accepted draft</span> drafted by the small model, accepted by the target</span>'
+        '<span><span class="tok tok-tgt">target token</span> the target\'s own token (bonus / resample)</span>'
+        '<span><span class="tok tok-rej">rejected</span> drafted, thrown away</span>'
+        '<span class="legend-hint">Hover a token for its p and q; faint borders separate iterations.</span>'
+        "</div>"
+    )

@@ -1,0 +1,255 @@
+"""The web app through its API: gradio_client against a locally launched app on the tiny pair."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import math
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+gradio_client = pytest.importorskip("gradio_client")
+
+from mtad.decoding import decode, encode_prompt  # noqa: E402
+from mtad.events import Step  # noqa: E402
+from mtad.metrics import summarize  # noqa: E402
+from mtad.settings import Settings  # noqa: E402
+
+PAIR = "tiny"
+_SERVER: dict = {}
+
+# The run endpoint's inputs in order: prompt, pair, tau, beams, gamma, max_new, greedy, temperature,
+# top_k, top_p, seed, with_ar.
+BASE = dict(
+    prompt="abc def abc",
+    pair=PAIR,
+    tau=0.1,
+    beams=4,
+    gamma=3,
+    max_new=24,
+    greedy=False,
+    temperature=1.0,
+    top_k=20,
+    top_p=0.9,
+    seed=7,
+    with_ar=False,
+)
+
+
+def args(**changes: object) -> list:
+    d = {**BASE, **changes}
+    return list(d.values())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_app(tiny_dirs: tuple[str, str], root: Path) -> dict:
+    """Launch app.py once per test session on a presets file that names the tiny pair.
+
+    The app reads ``MTAD_PAIRS`` at every request: use it inside :func:`app_env`.
+    """
+    if _SERVER:
+        return _SERVER
+    draft, target = tiny_dirs
+    presets = root / "pairs.toml"
+    presets.write_text(
+        f'[pairs.{PAIR}]\ndescription = "tiny random test pair"\ndraft = "{draft}"\ntarget = "{target}"\n'
+        f'prompts = "prompts.jsonl"\n\n'
+        '[pairs.hubonly]\ndescription = "a pair that needs the Hub"\ndraft = "nobody/draft-x"\n'
+        'target = "nobody/target-x"\n'
+    )
+    (root / "prompts.jsonl").write_text(
+        '{"id": "a", "category": "letters", "prompt": "abc abc"}\nnot json\n{"id": "b", "prompt": "bad cafe"}\n'
+    )
+    _SERVER["env"] = {"MTAD_PAIRS": str(presets), "MTAD_PAIR": PAIR}
+    with app_env():
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        app = importlib.import_module("app")
+        port = free_port()
+        app.main(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    _SERVER.update(url=f"http://127.0.0.1:{port}/", app=app)
+    return _SERVER
+
+
+@contextlib.contextmanager
+def app_env():
+    """Point the app at the tiny presets for a while, then restore the environment for other tests."""
+    saved = {k: os.environ.get(k) for k in _SERVER["env"]}
+    os.environ.update(_SERVER["env"])
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def app_server(tiny_dirs, tmp_path_factory) -> dict:
+    server = launch_app(tiny_dirs, tmp_path_factory.mktemp("app"))
+    with app_env():
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(app_server):
+    return gradio_client.Client(app_server["url"], verbose=False)
+
+
+def steps_from_json(items: list[dict]) -> list[Step]:
+    """Steps back from the app's JSON (None stands for -inf; 'seconds' is derived)."""
+    out = []
+    for d in items:
+        d = {k: v for k, v in d.items() if k != "seconds"}
+        for key in ("log_p", "log_q", "target_logprobs"):
+            d[key] = [-math.inf if v is None else v for v in d[key]]
+        out.append(Step(**d))
+    return out
+
+
+def test_run_streams_both_lanes_and_summaries_match_metrics(client):
+    from mtad.ui.runner import PAIRS
+
+    job = client.submit(*args(), api_name="/run")
+    outputs = list(job)
+    final = job.result()
+    assert len(outputs) >= 3
+    # streaming: some partial output shows SD generating before MTAD has started, then MTAD filling
+    sd_partial = [o for o in outputs if 'data-method="sd"' in o[1] and 'data-state="running"' in o[1]]
+    mtad_partial = [o for o in outputs if 'data-method="mtad"' in o[2] and 'data-state="done"' not in o[2]]
+    assert sd_partial or any('data-state="done"' in o[1] and 'data-method="mtad"' not in o[2] for o in outputs)
+    assert mtad_partial
+    data = final[-1]
+    assert set(data["lanes"]) == {"sd", "mtad"}
+    settings = Settings(tau=0.1, beams=4, gamma=3, max_new_tokens=24, seed=7)
+    pair = PAIRS.get(PAIR)  # the app's own pair (same device, same generator as the run)
+    ids = encode_prompt(pair, BASE["prompt"], settings)
+    for method, lane in data["lanes"].items():
+        assert lane["state"] == "done"
+        steps = steps_from_json(lane["steps"])
+        # the card numbers are summarize() of exactly the recorded steps
+        assert lane["metrics"] == summarize(steps).to_dict()
+        # and the same run through the engine gives the same tokens and figures
+        fresh = list(decode(pair, ids, settings.with_(method=method)))
+        m_fresh, m_app = summarize(fresh), lane["metrics"]
+        assert lane["new_ids"] == [t for s in fresh for t in s.appended_ids]
+        for key in ("new_tokens", "target_calls", "block_efficiency", "acceptance", "iterations"):
+            assert m_app[key] == getattr(m_fresh, key), key
+        assert m_app["perplexity"] == pytest.approx(m_fresh.perplexity, rel=1e-6)
+        if not lane["energy"]["available"]:  # a CPU: energy is n/a, never a number
+            assert m_app["joules"] is None and m_app["joules_per_token"] is None
+    # the cards show summarize's numbers, and energy as n/a on this CPU machine
+    cards = final[4]
+    m = data["lanes"]["mtad"]["metrics"]
+    assert f"{m['block_efficiency']:.3g}" in cards
+    assert "J/token" in cards
+    if not data["lanes"]["mtad"]["energy"]["available"]:
+        assert "n/a — " in cards
+
+
+def test_ar_lane_is_optional(client):
+    final = client.predict(*args(with_ar=True, max_new=8), api_name="/run")
+    assert set(final[-1]["lanes"]) == {"sd", "mtad", "ar"}
+    assert final[-1]["lanes"]["ar"]["metrics"]["block_efficiency"] == 1.0
+    assert 'data-method="ar"' in final[3]
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(prompt="   "), "the prompt is empty"),
+        (dict(beams=17), "greater than maximum value 16"),
+        (dict(gamma=0), "less than minimum value 1"),
+        (dict(tau=1.5), "greater than maximum value 1"),
+        (dict(beams=2.5), "beams W must be an integer from 1 to 16"),
+        (dict(top_k=3.5), "top-k must be an integer"),
+        (dict(max_new=250), "exceeds the model's context length"),
+        (dict(pair="../../etc"), "not in the list of choices"),
+        (dict(pair="hubonly"), "needs the Hugging Face Hub"),
+        (dict(temperature=-1), "less than minimum value 0"),
+    ],
+)
+def test_bad_inputs_return_the_message(client, changes, message):
+    with pytest.raises(gradio_client.exceptions.AppError) as err:
+        client.predict(*args(**changes), api_name="/run")
+    assert message in str(err.value)
+
+
+def endless_decode(pair, prompt_ids, settings):
+    """A decoder that never reaches EOS (one token per 20 ms), so only a cancel can end it."""
+    i = 0
+    while True:
+        time.sleep(0.02)
+        yield Step(index=i, method=settings.method, appended_ids=[1], from_target=[True], target_logprobs=[-1.0])
+        i += 1
+
+
+def test_cancelled_job_stops_and_frees_the_device(client, app_server, monkeypatch):
+    from mtad.ui import runner
+
+    monkeypatch.setattr(runner, "decode", endless_decode)
+    runner.HISTORY.clear()
+    job = client.submit(*args(max_new=200), api_name="/run")
+    deadline = time.time() + 60
+    while time.time() < deadline and not any(w.is_alive() for w in list(runner.ACTIVE)):
+        time.sleep(0.05)
+    assert runner.ACTIVE, "the run never started"
+    time.sleep(0.3)
+    job.cancel()
+    deadline = time.time() + 30
+    while time.time() < deadline and any(w.is_alive() for w in list(runner.ACTIVE)):
+        time.sleep(0.05)
+    assert not any(w.is_alive() for w in list(runner.ACTIVE)), "the worker kept decoding after the cancel"
+    assert not runner.DEVICE_LOCK.locked()
+    [(method, state, steps)] = list(runner.HISTORY)  # the SD lane stopped; the MTAD lane never started
+    assert (method, state) == ("sd", "stopped") and 0 < steps < 200
+    monkeypatch.undo()
+    # the app keeps serving
+    final = client.predict(*args(max_new=6), api_name="/run")
+    assert final[-1]["lanes"]["mtad"]["state"] == "done"
+
+
+def test_out_of_memory_is_a_message_and_the_app_keeps_serving(client, monkeypatch):
+    import torch
+
+    from mtad.ui import runner
+
+    def oom_decode(pair, prompt_ids, settings):
+        yield Step(index=0, method=settings.method, appended_ids=[1], from_target=[True], target_logprobs=[-1.0])
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(runner, "decode", oom_decode)
+    with pytest.raises(gradio_client.exceptions.AppError, match="ran out of memory"):
+        client.predict(*args(max_new=8), api_name="/run")
+    monkeypatch.undo()
+    final = client.predict(*args(max_new=6), api_name="/run")
+    assert final[-1]["lanes"]["sd"]["state"] == "done"
+
+
+def test_stop_flag_ends_the_run_at_the_next_iteration(app_server, tiny_pair):
+    """Stop (the session flag) ends a running lane after its current step; later lanes are skipped."""
+    from mtad.ui import runner
+    from mtad.ui.record import LaneRecord, RunRecord
+
+    settings = Settings(max_new_tokens=200, gamma=1, beams=2, tau=1.0)
+    ids = tiny_pair.encode("ab")
+    rec = RunRecord("tiny", "cpu", "ab", settings.to_dict(), {m: LaneRecord(m, ids) for m in ("sd", "mtad")})
+    cancel = threading.Event()
+    for r in runner.run_lanes(tiny_pair, rec, settings, cancel, interval=0.02):
+        if len(r.lanes["sd"].steps) >= 2:
+            cancel.set()
+    assert rec.lanes["sd"].state == "stopped"
+    assert 2 <= len(rec.lanes["sd"].steps) < 200
+    assert rec.lanes["mtad"].state == "stopped" and not rec.lanes["mtad"].steps
