@@ -80,6 +80,22 @@ def resolve_device(device: str | None = "auto") -> torch.device:
     return dev
 
 
+def configure_cpu_threads() -> int:
+    """Use all cores but one for torch's intra-op threads on the CPU (``MTAD_CPU_THREADS`` overrides).
+
+    Measured on a 2-core machine: with one core busy elsewhere (a web server, a second job),
+    2-thread torch ran the embedded pair 150x slower than 1 thread, its threads spinning on a
+    descheduled peer. Leaving a core free keeps the UI responsive and the timings honest.
+    """
+    wanted = os.environ.get("MTAD_CPU_THREADS")
+    try:
+        n = int(wanted) if wanted else max(1, (os.cpu_count() or 1) - 1)
+    except ValueError as exc:
+        raise PairError(f"MTAD_CPU_THREADS must be a whole number of threads; got {wanted!r}") from exc
+    torch.set_num_threads(max(1, n))
+    return torch.get_num_threads()
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
     """bf16 on CUDA, fp32 on the CPU; an explicit choice wins."""
     if isinstance(dtype, torch.dtype):
@@ -102,6 +118,8 @@ def load(
     """Load a pair from local directories or Hub ids with ``from_pretrained`` (never remote code)."""
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    if dev.type == "cpu":
+        configure_cpu_threads()
     tok_t = _load(AutoTokenizer, target, name)
     tok_d = _load(AutoTokenizer, draft, name, optional=True) or tok_t
     if tok_d.get_vocab() != tok_t.get_vocab():

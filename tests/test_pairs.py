@@ -80,3 +80,20 @@ def test_loads_with_chosen_dtype_and_never_remote_code(tiny_dirs: tuple[str, str
     assert target_params > draft_params
     source = (Path(__file__).parent.parent / "mtad" / "pair.py").read_text()
     assert "trust_remote_code=True" not in source
+
+
+def test_cpu_threads_leave_a_core_free(monkeypatch: pytest.MonkeyPatch, tiny_dirs: tuple[str, str]) -> None:
+    from mtad.pair import configure_cpu_threads
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setattr("os.cpu_count", lambda: 4)
+        load(*tiny_dirs, device="cpu")
+        assert torch.get_num_threads() == 3
+        monkeypatch.setenv("MTAD_CPU_THREADS", "2")
+        assert configure_cpu_threads() == 2
+        monkeypatch.setenv("MTAD_CPU_THREADS", "many")
+        with pytest.raises(PairError, match="MTAD_CPU_THREADS"):
+            configure_cpu_threads()
+    finally:
+        torch.set_num_threads(before)
