@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from mtad.cli import add_pair_args, add_sampling_args
+from mtad.cli import add_pair_args, add_sampling_args, sampling_settings
 from mtad.decoding.hf_assisted import assisted_generate, assisted_steps
 from mtad.energy import EnergyMeter, EnergyReading
 from mtad.events import Step, json_safe
@@ -139,18 +139,6 @@ def parse_methods(text: str) -> list[str]:
     if bad:
         raise ValueError(f"unknown method {bad[0]!r}; --methods takes a comma list of {', '.join(METHODS)}")
     return methods
-
-
-def base_settings(args: argparse.Namespace) -> Settings:
-    """The sampling settings every method shares (method, gamma, beams, tau, seed are set per case/run)."""
-    return Settings(
-        greedy=args.greedy,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        draft_mode=args.draft_mode,
-        max_new_tokens=args.max_new_tokens,
-    )
 
 
 def build_cases(
@@ -590,7 +578,7 @@ def prepare(args: argparse.Namespace) -> tuple[list[Case], list[int], list[Promp
     methods = parse_methods(args.methods)
     cases = build_cases(
         methods,
-        base_settings(args),
+        sampling_settings(args),
         parse_list(args.gamma, int, "gamma"),
         parse_list(args.beams, int, "beams"),
         parse_list(args.tau, float, "tau"),

@@ -66,20 +66,25 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def settings_from_args(args: argparse.Namespace, method: str) -> Settings:
+def sampling_settings(args: argparse.Namespace) -> Settings:
+    """The settings every method shares, from the flags of :func:`add_sampling_args` (bench too)."""
     return Settings(
-        method=method,
         greedy=args.greedy,
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
-        gamma=args.gamma,
-        beams=args.beams,
-        tau=args.tau,
         draft_mode=args.draft_mode,
         max_new_tokens=args.max_new_tokens,
-        seed=args.seed,
-    ).validate()
+    )
+
+
+def settings_from_args(args: argparse.Namespace, method: str) -> Settings:
+    """The whole ``generate`` settings: the shared sampling flags plus method, gamma, beams, tau, seed."""
+    return (
+        sampling_settings(args)
+        .with_(method=method, gamma=args.gamma, beams=args.beams, tau=args.tau, seed=args.seed)
+        .validate()
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
