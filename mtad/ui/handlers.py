@@ -12,7 +12,7 @@ import gradio as gr
 import torch
 
 from mtad.decoding import encode_prompt
-from mtad.pair import PairError, default_pair_name, presets, resolve_device
+from mtad.pair import PairError, configure_cpu_threads, default_pair_name, presets, resolve_device
 from mtad.ui import cards, figures, tokens, verify
 from mtad.ui.inputs import example_prompts, parse_settings
 from mtad.ui.record import LABELS, LaneRecord, RunRecord
@@ -68,7 +68,8 @@ def server_device() -> str:
     dev = resolve_device("auto")
     if dev.type == "cuda":
         return f"GPU: {torch.cuda.get_device_name(dev)}"
-    return f"CPU ({torch.get_num_threads()} threads, no GPU)"
+    configure_cpu_threads()  # what loading a pair will set: the header must say what runs
+    return f"{_cpu_label()}, no GPU"
 
 
 def device_text(record: RunRecord) -> str:
@@ -215,7 +216,12 @@ def run(
 def _device_name(dev: torch.device) -> str:
     if dev.type == "cuda":
         return f"{dev} ({torch.cuda.get_device_name(dev)})"
-    return f"CPU ({torch.get_num_threads()} threads)"
+    return _cpu_label()
+
+
+def _cpu_label() -> str:
+    n = torch.get_num_threads()
+    return f"CPU ({n} thread{'s' if n != 1 else ''})"
 
 
 def toggle_ar(with_ar: bool) -> dict:
