@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from mtad.decoding.rules import mtad_accept_length, mtad_accept_length_t, mtad_passes, sd_accept_length
+from mtad.decoding.rules import mtad_accept_length, mtad_accept_length_t, mtad_passes, sd_accept_length_t
 
 L = math.log
 
@@ -73,4 +73,4 @@ def test_boundary_is_strict() -> None:
     ],
 )
 def test_sd_rule(p: list[float], q: list[float], u: list[float], n: int) -> None:
-    assert sd_accept_length(p, q, u) == n
+    assert int(sd_accept_length_t(torch.tensor(p), torch.tensor(q), torch.tensor(u))) == n

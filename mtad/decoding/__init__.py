@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator
 
 from mtad.decoding.autoregressive import ar_step
 from mtad.decoding.mtad import mtad_step
-from mtad.decoding.rules import mtad_accept_length, mtad_passes, sd_accept_length
+from mtad.decoding.rules import mtad_accept_length, mtad_passes
 from mtad.decoding.speculative import sd_step
 from mtad.decoding.state import DecodeState
 from mtad.events import Run, Step
@@ -14,7 +14,7 @@ from mtad.settings import Settings
 
 STEPS: dict[str, Callable[[DecodeState], Step]] = {"ar": ar_step, "sd": sd_step, "mtad": mtad_step}
 
-__all__ = ["decode", "encode_prompt", "generate", "mtad_accept_length", "mtad_passes", "sd_accept_length"]
+__all__ = ["decode", "encode_prompt", "generate", "mtad_accept_length", "mtad_passes"]
 
 
 def check_fits(pair, n_prompt: int, settings: Settings) -> None:  # noqa: ANN001

@@ -38,11 +38,8 @@ def mtad_accept_length_t(joint_p: torch.Tensor, joint_q: torch.Tensor, tau: floa
     return (ok.long() * lengths).max()
 
 
-def sd_accept_length(token_p: Sequence[float], token_q: Sequence[float], uniforms: Sequence[float]) -> int:
-    """Speculative sampling: accept x_i while u_i < min(1, p_i(x_i) / q_i(x_i)); stop at the first reject."""
-    n = 0
-    for p, q, u in zip(token_p, token_q, uniforms, strict=True):
-        if not u * q < p:
-            break
-        n += 1
-    return n
+def sd_accept_length_t(token_p: torch.Tensor, token_q: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Speculative sampling, on the device: accept x_i while u_i < min(1, p_i(x_i) / q_i(x_i)),
+    stopping at the first rejection; a 0-d long tensor (no host sync)."""
+    ok = uniforms * token_q < token_p
+    return ok.long().cumprod(0).sum()

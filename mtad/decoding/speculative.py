@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from mtad.decoding.autoregressive import ar_step
+from mtad.decoding.rules import sd_accept_length_t
 from mtad.decoding.state import DecodeState, to_host
 from mtad.events import Step
 from mtad.sampling import sample
@@ -40,11 +41,10 @@ def sd_step(st: DecodeState) -> Step:
     lq_x = log_q.gather(1, draft[:, None])[:, 0]
     if greedy:
         uniforms = None
-        ok = log_p[:g].argmax(dim=-1) == draft
+        n = (log_p[:g].argmax(dim=-1) == draft).long().cumprod(0).sum()
     else:
         uniforms = torch.rand(g, generator=st.generator, device=st.device)
-        ok = uniforms * lq_x.exp() < lp_x.exp()
-    n = ok.long().cumprod(0).sum()
+        n = sd_accept_length_t(lp_x.exp(), lq_x.exp(), uniforms)
 
     if greedy:
         extra = log_p[n].argmax()
