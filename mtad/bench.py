@@ -35,8 +35,6 @@ from mtad.prompts import Prompt, read_prompts
 from mtad.settings import Settings
 
 if TYPE_CHECKING:
-    from tqdm import tqdm
-
     from mtad.pair import ModelPair
 
 METHODS = ("ar", "sd", "mtad", "hf-assisted")
@@ -272,39 +270,22 @@ def run_bench(
     result = BenchResult()
     with tqdm(total=total, file=sys.stderr, disable=not progress, unit="run", dynamic_ncols=True) as bar:
         try:
-            _run_all(pair, cases, prompts, encoded, seeds, repeats, warmup, keep_steps, meter, result, bar)
+            for case in cases:  # one at a time: warm-up first, then prompts x seeds x repeats
+                bar.set_description(case.label)
+                for _ in range(warmup):
+                    run_case(pair, case, encoded[0], seeds[0])
+                    bar.update()
+                for (i, prompt), seed, rep in itertools.product(enumerate(prompts), seeds, range(repeats)):
+                    steps, reading = run_case(pair, case, encoded[i], seed, meter)
+                    text = pair.decode([t for st in steps for t in st.appended_ids])
+                    result.records.append(make_record(case, prompt, i, encoded[i], seed, rep, steps, reading, text))
+                    if keep_steps:
+                        result.steps.append([st.to_dict() for st in steps])
+                    bar.update()
         except KeyboardInterrupt:  # keep what was measured: the table and files say it is partial
             result.interrupted = True
     result.aggregates = aggregate(result.records)
     return result
-
-
-def _run_all(
-    pair: ModelPair,
-    cases: Sequence[Case],
-    prompts: Sequence[Prompt],
-    encoded: Sequence[list[int]],
-    seeds: Sequence[int],
-    repeats: int,
-    warmup: int,
-    keep_steps: bool,
-    meter: EnergyMeter,
-    result: BenchResult,
-    bar: tqdm,
-) -> None:
-    """The loop of ``run_bench``: cases one at a time, warm-up first, then prompts x seeds x repeats."""
-    for case in cases:
-        bar.set_description(case.label)
-        for _ in range(warmup):
-            run_case(pair, case, encoded[0], seeds[0])
-            bar.update()
-        for (i, prompt), seed, rep in itertools.product(enumerate(prompts), seeds, range(repeats)):
-            steps, reading = run_case(pair, case, encoded[i], seed, meter)
-            text = pair.decode([t for st in steps for t in st.appended_ids])
-            result.records.append(make_record(case, prompt, i, encoded[i], seed, rep, steps, reading, text))
-            if keep_steps:
-                result.steps.append([st.to_dict() for st in steps])
-            bar.update()
 
 
 def mean_std(values: Sequence[float | None]) -> tuple[float | None, float | None, int]:
