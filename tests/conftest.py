@@ -65,6 +65,20 @@ def save_pair(
     return dirs[0], dirs[1]
 
 
+def full_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """The next-token logits after ``ids`` from one full forward, no cache."""
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+
+
+def cached_next_logits(lm, ids: list[int]) -> torch.Tensor:  # noqa: ANN001
+    """Logits after ``ids`` from the cache (feed only what it lacks), then restore the cache."""
+    before = lm.length
+    logits = lm.feed(torch.tensor([ids[before:]]), keep=1)[0, -1]
+    lm.rollback(before)
+    return logits
+
+
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     """Draft and target directories of a 64-token pair (target bigger than draft)."""

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_tokenizer, save_pair
+from conftest import cached_next_logits, full_logits, make_tokenizer, save_pair
 from transformers import OPTConfig, OPTForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from mtad.decoding import generate
@@ -76,12 +76,7 @@ def test_cache_matches_recompute_with_beams(arch_pair) -> None:
     for _ in range(4):
         mtad_step(st)
         for lm, model in ((st.target, arch_pair.target), (st.draft, arch_pair.draft)):
-            before = lm.length
-            cached = lm.feed(torch.tensor([st.ids[before:]]), keep=1)[0, -1]
-            lm.rollback(before)
-            with torch.inference_mode():
-                full = model(input_ids=torch.tensor([st.ids])).logits[0, -1].float()
-            torch.testing.assert_close(cached, full, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(cached_next_logits(lm, st.ids), full_logits(model, st.ids), rtol=1e-4, atol=1e-4)
 
 
 def test_padded_output_layers_share_the_tokenizer(tmp_path: Path) -> None:

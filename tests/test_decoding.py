@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import cached_next_logits, full_logits
 
 from mtad.decoding import decode, generate
 from mtad.decoding.beams import beam_draft
@@ -14,19 +15,6 @@ from mtad.pair import ModelPair
 from mtad.settings import Settings
 
 PROMPT = "abc def gh"
-
-
-def full_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
-    with torch.inference_mode():
-        return model(input_ids=torch.tensor([ids])).logits[0, -1].float()
-
-
-def cached_next_logits(lm, ids: list[int]) -> torch.Tensor:  # noqa: ANN001
-    """Logits after ``ids`` from the cache (feed only what it lacks), then restore the cache."""
-    before = lm.length
-    logits = lm.feed(torch.tensor([ids[before:]]), keep=1)[0, -1]
-    lm.rollback(before)
-    return logits
 
 
 @pytest.mark.parametrize("draft_mode", ["beam", "beam-sample"])
