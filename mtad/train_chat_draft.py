@@ -18,7 +18,7 @@ The draft's tied embedding starts from a PCA of the target's embedding matrix.
 Usage::
 
     python -m mtad.train_chat_draft --stage data  &      # producer, runs until --data-minutes
-    python -m mtad.train_chat_draft --stage train &      # trainer, --steps, resumable
+    python -m mtad.train_chat_draft --stage train &      # trainer, --steps / --minutes, resumable
     python -m mtad.train_chat_draft --stage export       # latest checkpoint -> assets/models/smollm2-draft
     python -m mtad.train_chat_draft --stage eval         # held-out agreement and cost ratio
 """
@@ -294,8 +294,12 @@ def distil_loss(model: Any, samples: list[dict]) -> tuple[torch.Tensor, torch.Te
     return loss, agree
 
 
-def train(work: Path, steps: int, batch: int, lr: float) -> None:
-    """Train on the shards as they accumulate; checkpoint every few minutes; resumable."""
+def train(work: Path, steps: int, batch: int, lr: float, minutes: float | None = None) -> None:
+    """Train on the shards as they accumulate; checkpoint every few minutes; resumable.
+
+    The cosine schedule runs over ``steps`` or, when ``minutes`` is given, over whichever of the
+    two ends first (training seconds are saved in the checkpoint), so a run on a shared CPU still
+    ends on a decayed learning rate at a known time."""
     torch.set_num_threads(1)
     ckpt = work / "draft.pt"
     shards = Shards(work)
@@ -306,19 +310,20 @@ def train(work: Path, steps: int, batch: int, lr: float) -> None:
     model = build_draft(tok, target)
     del target
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
-    step, log = 0, []
+    step, log, spent = 0, [], 0.0
     if ckpt.exists():
         saved = torch.load(ckpt)
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["opt"])
-        step, log = saved["step"], saved["log"]
+        step, log, spent = saved["step"], saved["log"], saved.get("seconds", 0.0)
     rng = random.Random(SEED + step)
     t_save, t0, seen = time.time(), time.time(), 0
-    while step < steps:
+    budget = minutes * 60 if minutes else math.inf
+    while (progress := max(step / steps, (spent + time.time() - t0) / budget)) < 1:
         if step % 50 == 0:
             shards.refresh()
         for g in opt.param_groups:
-            g["lr"] = lr * min(1.0, (step + 1) / 200) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps)))
+            g["lr"] = lr * min(1.0, (step + 1) / 50) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
         chosen = rng.sample(shards.train, batch)
         loss, agree = distil_loss(model, chosen)
         opt.zero_grad(set_to_none=True)
@@ -330,19 +335,26 @@ def train(work: Path, steps: int, batch: int, lr: float) -> None:
         if step % 25 == 0:
             rate = seen / (time.time() - t0)
             print(
-                f"[train] step {step} loss {loss.item():.3f} agree {agree.item():.3f} {rate:.0f} tok/s n={len(shards.train)}",
+                f"[train] step {step} loss {loss.item():.3f} agree {agree.item():.3f} {rate:.0f} tok/s "
+                f"n={len(shards.train)} progress {progress:.3f}",
                 flush=True,
             )
-        if step % 250 == 0 or step == steps:
+        if step % 100 == 0:
             log.append({"step": step, "heldout": evaluate(model, shards.heldout), "train_samples": len(shards.train)})
             print(f"[train] eval {log[-1]}", flush=True)
-        if time.time() - t_save > 180 or step == steps:
-            torch.save(
-                {"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "log": log},
-                ckpt.with_suffix(".tmp"),
-            )
-            ckpt.with_suffix(".tmp").rename(ckpt)
+        if time.time() - t_save > 180:
+            save_ckpt(ckpt, model, opt, step, log, spent + time.time() - t0)
             t_save = time.time()
+    log.append({"step": step, "heldout": evaluate(model, shards.heldout), "train_samples": len(shards.train)})
+    save_ckpt(ckpt, model, opt, step, log, spent + time.time() - t0)
+    print(f"[train] done {log[-1]}", flush=True)
+
+
+def save_ckpt(path: Path, model: Any, opt: Any, step: int, log: list, seconds: float) -> None:
+    """Model, optimiser, step, eval log and training seconds, written atomically."""
+    state = {"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "log": log, "seconds": seconds}
+    torch.save(state, path.with_suffix(".tmp"))
+    path.with_suffix(".tmp").rename(path)
 
 
 @torch.inference_mode()
@@ -380,11 +392,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--minutes", type=float, help="end the cosine schedule after this much training time")
     args = ap.parse_args(argv)
     if args.stage == "data":
         produce(args.work, args.data_minutes, args.gen_batch, args.docs_per_gen)
     elif args.stage == "train":
-        train(args.work, args.steps, args.batch, args.lr)
+        train(args.work, args.steps, args.batch, args.lr, args.minutes)
     else:
         export(args.work, args.out)
     return 0
