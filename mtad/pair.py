@@ -204,13 +204,20 @@ def presets(path: Path | None = None) -> dict[str, Preset]:
 
 
 def default_pair_name() -> str:
-    """``MTAD_PAIR`` if set, else the presets file's ``default``, else the offline embedded pair."""
+    """``MTAD_PAIR`` if set, else the presets file's ``default``: a name, or a list of names of which
+    the first that runs offline here wins (``["smollm2", "embedded"]``: the chat pair where its wheel
+    is installed); else the offline embedded pair."""
     if os.environ.get("MTAD_PAIR"):
         return os.environ["MTAD_PAIR"]
     try:
-        return tomllib.loads(presets_path().read_text()).get("default", OFFLINE_PAIR)
-    except (OSError, tomllib.TOMLDecodeError):
+        wanted = tomllib.loads(presets_path().read_text()).get("default", OFFLINE_PAIR)
+        table = presets()
+    except (OSError, tomllib.TOMLDecodeError, PairError):
         return OFFLINE_PAIR
+    if isinstance(wanted, str):
+        return wanted
+    offline = [n for n in wanted if n in table and not table[n].needs_hub]
+    return (offline or list(wanted) or [OFFLINE_PAIR])[0]
 
 
 def load_pair(name: str, *, device: str | None = "auto", dtype: str | torch.dtype | None = "auto") -> ModelPair:
