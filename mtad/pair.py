@@ -13,6 +13,8 @@ from urllib.parse import urlparse
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from mtad.gguf_cache import materialize
+
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 DEFAULT_PRESETS = ASSETS / "pairs.toml"
 OFFLINE_PAIR = "embedded"
@@ -264,8 +266,10 @@ def _load(auto, source: str, pair_name: str, optional: bool = False, **kwargs): 
     """``auto.from_pretrained`` with ``trust_remote_code=False`` and readable failures."""
     is_dir = Path(source).is_dir()
     if source.endswith(".gguf") and Path(source).is_file():  # transformers' own GGUF support, dequantised
-        kwargs["gguf_file"] = Path(source).name
-        source, is_dir = str(Path(source).parent), True
+        cached = materialize(Path(source))
+        if cached is None:
+            kwargs["gguf_file"] = Path(source).name
+        source, is_dir = str(cached or Path(source).parent), True
     if not is_dir and (source.startswith((".", "/", "~")) or source.count("/") > 1):
         raise PairError(f"no model directory at {source!r}")
     if is_dir:

@@ -14,6 +14,7 @@ from conftest import full_logits
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mtad.decoding import generate
+from mtad.gguf_cache import cached_dir, materialize
 from mtad.pair import ModelPair, load
 from mtad.settings import Settings
 
@@ -95,9 +96,44 @@ def gguf_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def gguf_pair(gguf_file: Path) -> ModelPair:
-    """The embedded draft with the GGUF target, through mtad's own loader (fp32)."""
+def gguf_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh dequantised-weights cache for this module (never the user's own)."""
+    root = tmp_path_factory.mktemp("mtad-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MTAD_CACHE", str(root))
+        yield root
+
+
+@pytest.fixture(scope="module")
+def gguf_pair(gguf_file: Path, gguf_cache: Path) -> ModelPair:
+    """The embedded draft with the GGUF target, through mtad's own loader (fp32); the first load,
+    so it reads the GGUF file and writes the cache."""
+    assert not list(gguf_cache.rglob("*.safetensors"))
     return load(str(MODELS / "draft"), str(gguf_file), device="cpu", dtype="float32")
+
+
+def test_a_second_load_reads_the_dequantised_cache(gguf_pair: ModelPair, gguf_file: Path, gguf_cache: Path) -> None:
+    """The first load wrote plain fp32 safetensors + tokenizer; the second reads them (no GGUF parse)
+    and gives the same tokenizer and logits as the direct GGUF load."""
+    (cached,) = [p.parent for p in gguf_cache.rglob("model.safetensors")]
+    assert cached == cached_dir(gguf_file) and (cached / "tokenizer.json").is_file()
+    assert "quantization_config" not in json.loads((cached / "config.json").read_text())
+    again = load(str(MODELS / "draft"), str(gguf_file), device="cpu", dtype="float32")
+    assert again.target.name_or_path == str(cached)
+    assert again.tokenizer.get_vocab() == gguf_pair.tokenizer.get_vocab()
+    ids = gguf_pair.encode(PROMPT)
+    direct = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32)
+    torch.testing.assert_close(full_logits(again.target, ids), full_logits(direct.eval(), ids), rtol=0, atol=0)
+
+
+def test_an_unwritable_cache_falls_back_to_the_gguf_file(gguf_file: Path, tmp_path: Path, monkeypatch) -> None:
+    """A cache that cannot be written is not an error: the GGUF file is loaded directly."""
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    monkeypatch.setenv("MTAD_CACHE", str(blocker))
+    assert materialize(gguf_file) is None
+    pair = load(str(MODELS / "draft"), str(gguf_file), device="cpu", dtype="float32")
+    assert pair.target.name_or_path == str(gguf_file.parent)
 
 
 @pytest.fixture(scope="module")
