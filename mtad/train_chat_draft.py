@@ -122,14 +122,17 @@ def load_target(dtype: torch.dtype = torch.bfloat16) -> tuple[Any, Any]:
     """The target and its tokenizer, through the same code the ``smollm2`` pair uses."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from mtad.gguf_cache import materialize
     from mtad.pair import DEFAULT_PRESETS, presets
 
     preset = presets(DEFAULT_PRESETS)["smollm2"]
     if not preset.target.endswith(".gguf"):
         sys.exit(f"the draft is distilled from the GGUF target; install it with: {preset.install}")
     path = Path(preset.target)
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).eval()
+    src = materialize(path)  # the dequantised copy in the user's cache, written on first use
+    kwargs = {} if src else {"gguf_file": path.name}
+    tok = AutoTokenizer.from_pretrained(src or path.parent, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(src or path.parent, dtype=dtype, **kwargs).eval()
     return model, tok
 
 
@@ -368,6 +371,47 @@ def evaluate(model: Any, heldout: list[dict], n: int = 64) -> dict:
     return {"ce": sum(losses) / max(1, len(losses)), "agree": sum(agrees) / max(1, len(agrees))}
 
 
+def report(work: Path, out: Path) -> dict:
+    """Held-out agreement of the exported draft (on-policy replies and documentation separately)
+    and its forward cost against the target's, as the model card quotes them."""
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    shards = Shards(work)
+    shards.refresh()
+    draft = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    result = {}
+    for kind in ("gen", "doc"):
+        held = [s for s in shards.heldout if (s["start"] > 0) == (kind == "gen")]
+        result[kind] = {"samples": len(held), "positions": sum(len(s["idx"]) for s in held)}
+        result[kind].update(evaluate(draft, held, n=len(held)))
+    target, _ = load_target(torch.bfloat16)
+    result["cost"] = forward_cost(draft.to(torch.bfloat16), target)
+    (out / "eval.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1))
+    return result
+
+
+@torch.inference_mode()
+def forward_cost(draft: Any, target: Any, context: int = 100, reps: int = 15) -> dict:
+    """Median seconds of one-token forwards after a ``context``-token KV cache (draft: 1 and 8 rows)."""
+    from transformers import DynamicCache
+
+    def median(model: Any, rows: int) -> float:
+        times = []
+        for _ in range(reps):
+            cache = DynamicCache(config=model.config)
+            model(input_ids=torch.randint(0, 49152, (rows, context)), past_key_values=cache, use_cache=True)
+            t0 = time.perf_counter()
+            model(input_ids=torch.randint(0, 49152, (rows, 1)), past_key_values=cache, use_cache=True, logits_to_keep=1)
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[reps // 2]
+
+    t = median(target, 1)
+    d1, d8 = median(draft, 1), median(draft, 8)
+    return {"target_s": t, "draft_s": d1, "draft_8rows_s": d8, "ratio": d1 / t, "ratio_8rows": d8 / t}
+
+
 def export(work: Path, out: Path) -> None:
     """Latest checkpoint -> a bf16 transformers directory with the target's tokenizer."""
     saved = torch.load(work / "draft.pt")
@@ -383,7 +427,7 @@ def export(work: Path, out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mtad.train_chat_draft", description=__doc__.splitlines()[0])
-    ap.add_argument("--stage", choices=("data", "train", "export"), required=True)
+    ap.add_argument("--stage", choices=("data", "train", "export", "eval"), required=True)
     ap.add_argument("--work", type=Path, default=WORK)
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--data-minutes", type=float, default=90)
@@ -398,8 +442,10 @@ def main(argv: list[str] | None = None) -> int:
         produce(args.work, args.data_minutes, args.gen_batch, args.docs_per_gen)
     elif args.stage == "train":
         train(args.work, args.steps, args.batch, args.lr, args.minutes)
-    else:
+    elif args.stage == "export":
         export(args.work, args.out)
+    else:
+        report(args.work, args.out)
     return 0
 
 
