@@ -13,6 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from mtad.pair import ModelPair, load
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("MTAD_POWERCAP_ROOT", "/nonexistent/powercap")  # no host RAPL in figures: tests fake it
 torch.set_num_threads(2)
 
 EOS = "<eos>"
