@@ -209,8 +209,14 @@ def load(
 
 
 def first_device(model: torch.nn.Module) -> torch.device:
-    """Where a (possibly split) model takes its input ids: the device of its input embeddings."""
-    return model.get_input_embeddings().weight.device
+    """Where a (possibly split) model takes its input ids: accelerate's main device (the first GPU in its
+    device map, else the CPU), or where the input embeddings are for a model on one device."""
+    placed = getattr(model, "hf_device_map", None)
+    if not placed:
+        return model.get_input_embeddings().weight.device
+    gpus = [d for d in placed.values() if d not in ("cpu", "disk")]
+    main = gpus[0] if gpus else "cpu"
+    return torch.device("cuda", main) if isinstance(main, int) else torch.device(main)
 
 
 def presets_path() -> Path:

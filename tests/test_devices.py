@@ -210,6 +210,12 @@ def test_device_map_from_the_operator_and_the_cli(monkeypatch: pytest.MonkeyPatc
     assert from_pretrained_calls[0]["device_map"] == "auto"
 
 
-def test_first_device_is_where_the_input_embeddings_are() -> None:
-    fake = types.SimpleNamespace(get_input_embeddings=lambda: torch.nn.Embedding(4, 2))
-    assert pair_mod.first_device(fake) == CPU
+def test_first_device_is_accelerates_main_device() -> None:
+    one = types.SimpleNamespace(get_input_embeddings=lambda: torch.nn.Embedding(4, 2))
+    assert pair_mod.first_device(one) == CPU
+    split = {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": 1, "lm_head": 1}
+    assert pair_mod.first_device(types.SimpleNamespace(hf_device_map=split)) == torch.device("cuda:0")
+    offloaded = {"model.embed_tokens": "cpu", "model.layers.0": 1, "lm_head": "disk"}
+    assert pair_mod.first_device(types.SimpleNamespace(hf_device_map=offloaded)) == torch.device("cuda:1")
+    on_cpu = {"model.embed_tokens": "cpu", "lm_head": "disk"}
+    assert pair_mod.first_device(types.SimpleNamespace(hf_device_map=on_cpu)) == CPU
