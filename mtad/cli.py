@@ -75,6 +75,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--tau", type=float, default=d.tau, help="MTAD threshold in [0, 1]")
     g.add_argument("--seed", type=int, default=d.seed)
     g.add_argument("--json", action="store_true", help="print one JSON object instead of coloured text")
+    g.add_argument("--raw", action="store_true", help="continue the prompt as plain text (no chat template)")
     return ap
 
 
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         from mtad.metrics import summarize
 
         pair = load_pair_from_args(args)
-        run = generate(pair, args.prompt, settings)
+        run = generate(pair, args.prompt, settings, raw=args.raw)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -118,16 +119,18 @@ def main(argv: list[str] | None = None) -> int:
         out["metrics"] = metrics.to_dict()
         print(json.dumps(out, allow_nan=False))
     else:
-        print(render(pair, run, color=sys.stdout.isatty() or bool(os.environ.get("FORCE_COLOR"))))
+        shown = f"{args.prompt}\n\n" if pair.chat and not args.raw else None
+        print(render(pair, run, color=sys.stdout.isatty() or bool(os.environ.get("FORCE_COLOR")), prompt=shown))
         print(summary_line(metrics), file=sys.stderr)
     return 0
 
 
-def render(pair, run, color: bool = True) -> str:  # noqa: ANN001
-    """The prompt, then each iteration's accepted drafts (green) and target token (yellow)."""
+def render(pair, run, color: bool = True, prompt: str | None = None) -> str:  # noqa: ANN001
+    """The prompt (as typed, for a chat pair, not its template), then each iteration's accepted
+    drafts (green) and target token (yellow)."""
     from mtad.text import token_pieces
 
-    out = [pair.decode(run.prompt_ids)]
+    out = [pair.decode(run.prompt_ids) if prompt is None else prompt]
     context = list(run.prompt_ids)
     for step in run.steps:
         pieces = token_pieces(pair.tokenizer, context, step.appended_ids)

