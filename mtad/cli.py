@@ -13,12 +13,24 @@ GREEN, YELLOW, RED, DIM, RESET = "\033[32m", "\033[33m", "\033[31m", "\033[2m", 
 
 
 def add_pair_args(p: argparse.ArgumentParser) -> None:
-    """--pair or --draft/--target, with device and dtype (shared with the bench)."""
+    """--pair or --draft/--target, with device, dtype and device map (shared with the bench)."""
     p.add_argument("--pair", help="preset name from assets/pairs.toml (default: embedded)")
     p.add_argument("--draft", help="draft model: local directory or Hub id")
     p.add_argument("--target", help="target model: local directory or Hub id")
     p.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:1 ...")
-    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto (MTAD_DTYPE, else the preset's, else bf16 on CUDA >= sm80 and CPUs with native bf16, "
+        "fp16 on older GPUs, fp32 on other CPUs), float32, bfloat16, float16",
+    )
+    p.add_argument(
+        "--device-map",
+        choices=("auto", "none"),
+        default=None,
+        help="auto: split the target over all GPUs (then the CPU) with accelerate, draft on its first device "
+        "(default: MTAD_DEVICE_MAP, else none)",
+    )
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -45,8 +57,8 @@ def load_pair_from_args(args: argparse.Namespace):  # noqa: ANN201
     if args.draft:
         if args.pair:
             raise PairError("give either --pair or --draft/--target, not both")
-        return load(args.draft, args.target, device=args.device, dtype=args.dtype)
-    return load_pair(args.pair or default_pair_name(), device=args.device, dtype=args.dtype)
+        return load(args.draft, args.target, device=args.device, dtype=args.dtype, device_map=args.device_map)
+    return load_pair(args.pair or default_pair_name(), device=args.device, dtype=args.dtype, device_map=args.device_map)
 
 
 def parser() -> argparse.ArgumentParser:

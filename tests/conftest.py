@@ -13,6 +13,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from mtad.pair import ModelPair, load
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("MTAD_POWERCAP_ROOT", "/nonexistent/powercap")  # no host RAPL in figures: tests fake it
+os.environ.setdefault("MTAD_DTYPE", "float32")  # fp32 on every host; a CPU with native bf16 would pick bf16
 torch.set_num_threads(2)
 
 EOS = "<eos>"

@@ -14,7 +14,7 @@ def ar_step(st: DecodeState) -> Step:
     t0 = st.begin()
     logits = st.run_target(None)[0]
     tok = pick(st.judged(logits), st.settings, st.generator)
-    lp = torch.log_softmax(logits, dim=-1)[tok]
+    lp = torch.log_softmax(logits, dim=-1).gather(0, tok.view(1))[0]  # no host read of ``tok``
     tok_i, lp_f = to_host(tok, lp)
     step = Step(index=0, method="ar", from_target=[True], target_logprobs=[lp_f])
     return st.finish(t0, step, [tok_i], 0)

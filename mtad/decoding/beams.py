@@ -56,5 +56,5 @@ def beam_draft(st: DecodeState, g: int) -> BeamDraft:
             draft.cache.reorder_cache(parent)
             tokens = tok[:, None]
     best = beam_scores.argmax()
-    draft.cache.batch_select_indices(parent[best].view(1))
+    draft.cache.batch_select_indices(parent.index_select(0, best.view(1)))
     return BeamDraft(tokens=hist, token_logq=hist_lq, scores=beam_scores, best=best)

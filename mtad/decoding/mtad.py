@@ -19,15 +19,16 @@ def mtad_step(st: DecodeState) -> Step:
         return ar_step(st)
     t0 = st.begin()
     beams = beam_draft(st, g)
-    draft = beams.tokens[beams.best]
-    lq_x = beams.token_logq[beams.best]
+    best = beams.best.view(1)  # index_select, not [0-d tensor] indexing, which reads the index on the host
+    draft = beams.tokens.index_select(0, best)[0]
+    lq_x = beams.token_logq.index_select(0, best)[0]
 
     logits = st.run_target(draft)
     log_p = st.judged(logits)
     lp_x = log_p[:g].gather(1, draft[:, None])[:, 0]
     joint_p, joint_q = lp_x.cumsum(0), lq_x.cumsum(0)
     eta = mtad_accept_length_t(joint_p, joint_q, st.settings.tau)
-    extra = pick(log_p[eta], st.settings, st.generator)
+    extra = pick(log_p.index_select(0, eta.view(1))[0], st.settings, st.generator)
 
     rows = torch.arange(g + 1, device=st.device)
     kept = torch.where(rows < eta, torch.cat([draft, draft[:1]]), extra)

@@ -46,12 +46,13 @@ def sd_step(st: DecodeState) -> Step:
         uniforms = torch.rand(g, generator=st.generator, device=st.device)
         n = sd_accept_length_t(lp_x.exp(), lq_x.exp(), uniforms)
 
+    row = n.view(1)  # index_select, not [0-d tensor] indexing, which reads the index on the host
     if greedy:
-        extra = log_p[n].argmax()
+        extra = log_p.index_select(0, row)[0].argmax()
     else:
         p, q = log_p.exp(), log_q.exp()
-        table = torch.cat([residual(p[:g], q), p[g:]], dim=0)[n]
-        extra = sample(torch.where(table.sum() > 0, table, p[n]), st.generator)
+        table = torch.cat([residual(p[:g], q), p[g:]], dim=0).index_select(0, row)[0]
+        extra = sample(torch.where(table.sum() > 0, table, p.index_select(0, row)[0]), st.generator)
 
     rows = torch.arange(g + 1, device=st.device)
     kept = torch.where(rows < n, torch.cat([draft, draft[:1]]), extra)

@@ -98,8 +98,12 @@ class DecodeState:
         return min(self.settings.gamma, self.remaining - 1)
 
     def pending(self, lm: CachedLM) -> torch.Tensor:
-        """The tokens ``lm`` has not seen yet, as a [1, n] tensor."""
-        return torch.tensor([self.ids[lm.length :]], dtype=torch.long, device=self.device)
+        """The tokens ``lm`` has not seen yet, as a [1, n] tensor. On CUDA they are copied from pinned memory
+        without blocking: a copy from pageable memory would wait for the queued draft work (a host sync)."""
+        ids = torch.tensor([self.ids[lm.length :]], dtype=torch.long)
+        if self.device.type == "cuda":
+            return ids.pin_memory().to(self.device, non_blocking=True)
+        return ids.to(self.device)
 
     def run_target(self, draft: torch.Tensor | None) -> torch.Tensor:
         """One target forward over the unseen context plus ``draft`` [g]; logits [g+1, V]."""

@@ -3,6 +3,7 @@ worker thread (so each lane's clock and energy count only its own work), Stop at
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import queue
@@ -57,11 +58,14 @@ class PairCache:
                 while len(self._pairs) >= self.max_loaded:
                     self._pairs.popitem(last=False)
                     free_device_memory()
+                pair = None
                 try:
                     pair = load_pair(name)
-                except torch.cuda.OutOfMemoryError as exc:
+                except torch.cuda.OutOfMemoryError:
+                    pass  # released below: the traceback holds the half-loaded model until the handler ends
+                if pair is None:
                     free_device_memory()
-                    raise PairError(f"pair {name!r} does not fit in the GPU's memory; use a smaller pair") from exc
+                    raise PairError(f"pair {name!r} does not fit in the GPU's memory; use a smaller pair")
             self._pairs[name] = pair
             return pair
 
@@ -70,8 +74,10 @@ PAIRS = PairCache(int(os.environ.get("MTAD_MAX_LOADED_PAIRS", "1")))
 
 
 def free_device_memory() -> None:
-    """Return cached CUDA memory to the driver (a no-op on the CPU)."""
+    """Return cached CUDA memory to the driver (a no-op on the CPU). Call it after an ``except`` block, not
+    inside: until the handler ends, its traceback keeps the failed frames' caches and logits alive."""
     if torch.cuda.is_available():
+        gc.collect()
         torch.cuda.empty_cache()
 
 
@@ -181,14 +187,15 @@ class LaneWorker(threading.Thread):
                         state = "stopped"
                         break
         except torch.cuda.OutOfMemoryError:
-            free_device_memory()
-            state, error = "error", OOM_MESSAGE
+            state, error = "error", OOM_MESSAGE  # memory is released below, once the traceback is gone
         except ValueError as exc:
             state, error = "error", str(exc)
         except Exception as exc:  # noqa: BLE001 - the visitor gets a message, the log gets the traceback
             log.exception("decoding failed")
             state, error = "error", f"internal error while decoding ({type(exc).__name__}); see the server log"
         finally:
+            if error == OOM_MESSAGE:
+                free_device_memory()
             if meter is not None:
                 reading = meter.stop()
                 energy.joules, energy.note, energy.source = reading.joules, reading.note, reading.source
