@@ -84,11 +84,9 @@ def sampling_settings(args: argparse.Namespace) -> Settings:
 def settings_from_args(args: argparse.Namespace, method: str) -> Settings:
     """The whole ``generate`` settings: the shared sampling flags plus the method's own (gamma defaults
     to the method's paper value when not given)."""
+    gamma = Settings.for_method(method).gamma if args.gamma is None else args.gamma
     own = {"beams": args.beams, "tau": args.tau, "num_drafts": args.num_drafts, "tau1": args.tau1, "tau2": args.tau2}
-    if args.gamma is not None:
-        own["gamma"] = args.gamma
-    base = Settings.for_method(method)
-    return sampling_settings(args).with_(method=method, gamma=base.gamma, seed=args.seed, **own).validate()
+    return sampling_settings(args).with_(method=method, gamma=gamma, seed=args.seed, **own).validate()
 
 
 def main(argv: list[str] | None = None) -> int:
