@@ -6,7 +6,7 @@ import torch
 
 from mtad.decoding.autoregressive import ar_step
 from mtad.decoding.beams import beam_draft
-from mtad.decoding.multidraft import keep_row, kept_lengths, verify_rows
+from mtad.decoding.multidraft import kept_lengths, verified
 from mtad.decoding.rules import mtad_accept_length_t
 from mtad.decoding.state import DecodeState, to_host
 from mtad.events import Step
@@ -14,7 +14,8 @@ from mtad.sampling import pick
 
 
 def mtad_tree_step(st: DecodeState) -> Step:
-    """Beam-draft W beams, score all of them in one target forward, keep the beam with the longest
+    """Beam-draft W beams, score all of them in one target forward (a token tree where the attention
+    kernel allows, else W batch rows: :func:`mtad.decoding.multidraft.layout`), keep the beam with the longest
     passing prefix (ties: the draft's best beam, then the lowest index) plus one target token.
 
     With W = 1 this is MTAD exactly: the same draws, the same forward, the same rule."""
@@ -23,7 +24,8 @@ def mtad_tree_step(st: DecodeState) -> Step:
         return ar_step(st)
     t0 = st.begin()
     beams = beam_draft(st, g)  # leaves the draft cache on the best beam's row
-    logits = verify_rows(st, beams.tokens)  # [W, g + 1, V]
+    checked = verified(st, beams.tokens)
+    logits = torch.stack([torch.stack([checked.at(w, i) for i in range(g + 1)]) for w in range(len(beams.tokens))])
     log_p = st.judged(logits)
     lp_x = log_p[:, :g].gather(2, beams.tokens[:, :, None])[:, :, 0]
     joint_p, joint_q = lp_x.cumsum(1), beams.token_logq.cumsum(1)
@@ -42,7 +44,7 @@ def mtad_tree_step(st: DecodeState) -> Step:
     )
     all_beams, scores, best, jp, jq, chosen_i, eta_i, extra_i, kept_lps = host
     all_beams = [all_beams[i * g : (i + 1) * g] for i in range(width)]
-    keep_row(st.target, chosen_i)
+    checked.keep(chosen_i, eta_i)
     if chosen_i != best:  # the draft cache holds the best beam: keep only what it shares with the chosen one
         shared = kept_lengths([all_beams[best]], all_beams[chosen_i])[0]
         st.draft.rollback(len(st.ids) + shared)
