@@ -1,9 +1,15 @@
-"""The page races any two decoders (default SD vs MTAD) and its verification panel shows every candidate."""
+"""The page races any two decoders (default SD vs MTAD) and its verification panel shows every candidate.
+
+The run handler is called as the page calls it (widget values in, the outputs' tuple out), on a
+presets file naming the tiny test pair; the page's wiring of these inputs is in app.py.
+"""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import gradio as gr
 import pytest
-from test_app_client import BASE, app_server, client  # noqa: F401  (the launched app and its client)
 
 from mtad.decoding import decode, encode_prompt
 from mtad.metrics import summarize
@@ -11,24 +17,57 @@ from mtad.settings import Settings
 from mtad.ui import handlers, verify
 from mtad.ui.record import LaneRecord, RunRecord
 
-gradio_client = pytest.importorskip("gradio_client")
-PAIR = BASE["pair"]
+BASE = dict(
+    prompt="abc def abc",
+    pair="tiny",
+    tau=0.1,
+    beams=4,
+    gamma=3,
+    max_new=12,
+    greedy=False,
+    temperature=1.0,
+    top_k=20,
+    top_p=0.9,
+    seed=7,
+    with_ar=False,
+)
+RACE = dict(left="sd", right="mtad", num_drafts=4, tau1=0.9, tau2=2.0)
 
 
-def args(**changes: object) -> list:
-    extra = {"left": "sd", "right": "mtad", "num_drafts": 4, "tau1": 0.9, "tau2": 2.0}
-    return list({**BASE, **extra, **changes}.values())
+@pytest.fixture(scope="module")
+def tiny_presets(tiny_dirs: tuple[str, str], tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    path = tmp_path_factory.mktemp("presets") / "pairs.toml"
+    path.write_text(f'[pairs.tiny]\ndescription = "tiny"\ndraft = "{tiny_dirs[0]}"\ntarget = "{tiny_dirs[1]}"\n')
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MTAD_PAIRS", str(path))
+        yield path
 
 
-def test_visitor_picks_the_two_racing_decoders(client) -> None:  # noqa: ANN001, F811
+def run_page(**changes: object) -> tuple:
+    """The run handler's last output tuple for these widget values."""
+    values = {**BASE, **RACE, **changes}
+    race = {k: values.pop(k) for k in RACE}
+    request = SimpleNamespace(session_hash="h4-test")
+    handlers.CANCELS.arm("h4-test")
+    *_, last = handlers.run(*values.values(), request, **race)
+    return last
+
+
+def test_default_race_is_sd_vs_mtad(tiny_presets) -> None:  # noqa: ANN001
+    final = run_page()
+    assert list(final[-1]["lanes"]) == ["sd", "mtad"]
+    assert 'data-method="sd"' in final[1] and 'data-method="mtad"' in final[2]
+
+
+def test_visitor_picks_the_two_racing_decoders(tiny_presets) -> None:  # noqa: ANN001
     from mtad.ui.runner import PAIRS
 
-    final = client.predict(*args(left="spectr", right="bild", num_drafts=3, tau1=0.2, max_new=12), api_name="/run")
+    final = run_page(left="spectr", right="bild", num_drafts=3, tau1=0.2, with_ar=True)
     data = final[-1]
-    assert list(data["lanes"]) == ["spectr", "bild"]
-    assert 'data-method="spectr"' in final[1] and 'data-method="bild"' in final[2]
+    assert list(data["lanes"]) == ["spectr", "bild", "ar"]
+    assert 'data-method="spectr"' in final[1] and 'data-method="bild"' in final[2] and 'data-method="ar"' in final[3]
     settings = Settings(tau=0.1, beams=4, gamma=3, max_new_tokens=12, seed=7, num_drafts=3, tau1=0.2)
-    pair = PAIRS.get(PAIR)
+    pair = PAIRS.get("tiny")
     ids = encode_prompt(pair, BASE["prompt"], settings)
     for method, lane in data["lanes"].items():
         fresh = list(decode(pair, ids, settings.with_(method=method)))
@@ -41,14 +80,15 @@ def test_visitor_picks_the_two_racing_decoders(client) -> None:  # noqa: ANN001,
     ("changes", "message"),
     [
         (dict(left="mtad", right="mtad"), "pick two different decoders"),
-        (dict(right="medusa"), "not in the list of choices"),
-        (dict(num_drafts=0), "less than minimum value 1"),
-        (dict(tau1=1.5), "greater than maximum value 1"),
+        (dict(right="medusa"), "the right lane must be one of"),
+        (dict(num_drafts=0), "drafts m must be an integer from 1 to 8"),
+        (dict(tau1=1.5), "tau1 (BiLD fallback threshold) must be between 0 and 1"),
+        (dict(tau2=-1), "tau2 (BiLD rollback threshold, in nats) must be a finite number >= 0"),
     ],
 )
-def test_bad_racer_settings_are_messages(client, changes: dict, message: str) -> None:  # noqa: F811
-    with pytest.raises(gradio_client.exceptions.AppError) as err:
-        client.predict(*args(**changes), api_name="/run")
+def test_bad_racer_settings_are_messages(tiny_presets, changes: dict, message: str) -> None:  # noqa: ANN001
+    with pytest.raises(gr.Error) as err:
+        run_page(**changes)
     assert message in str(err.value)
 
 
