@@ -14,7 +14,8 @@ import gradio as gr
 
 from mtad.ui import handlers as h
 from mtad.ui.explain import EXPLAIN, INTRO
-from mtad.ui.inputs import BEAMS_RANGE, DEFAULTS, GAMMA_RANGE, MAX_NEW_RANGE, TOP_K_RANGE, example_prompts
+from mtad.ui.inputs import BEAMS_RANGE, DEFAULTS, DRAFTS_RANGE, GAMMA_RANGE, MAX_NEW_RANGE, TOP_K_RANGE, example_prompts
+from mtad.ui.record import LABELS
 from mtad.ui.tokens import lane_html, legend_html
 
 CSS = (Path(__file__).resolve().parent / "assets" / "app.css").read_text()
@@ -48,6 +49,10 @@ def build() -> gr.Blocks:
                     run_btn = gr.Button("Run", variant="primary", elem_id="run-btn")
                     stop_btn = gr.Button("Stop", variant="stop", elem_id="stop-btn")
                     replay_btn = gr.Button("Replay", elem_id="replay-btn")
+                with gr.Row():
+                    racers = [(LABELS[m], m) for m in h.RACERS]
+                    left = gr.Dropdown(racers, value="sd", label="Left lane", elem_id="left-method")
+                    right = gr.Dropdown(racers, value="mtad", label="Right lane", elem_id="right-method")
                 with_ar = gr.Checkbox(False, label="Add an autoregressive (AR) baseline lane")
             with gr.Column(scale=2):
                 tau = gr.Slider(0, 1, value=DEFAULTS.tau, step=0.01, label="τ (MTAD threshold)")
@@ -56,6 +61,10 @@ def build() -> gr.Blocks:
                 max_new = gr.Slider(
                     *MAX_NEW_RANGE, value=DEFAULTS.max_new_tokens, step=1, label="max new tokens", elem_id="max-new"
                 )
+                with gr.Accordion("Other decoders (Spectr, SpecInfer, BiLD)", open=False):
+                    num_drafts = gr.Slider(*DRAFTS_RANGE, value=DEFAULTS.num_drafts, step=1, label="drafts m")
+                    tau1 = gr.Slider(0, 1, value=DEFAULTS.tau1, step=0.01, label="τ1 (BiLD fallback)")
+                    tau2 = gr.Slider(0, 10, value=DEFAULTS.tau2, step=0.1, label="τ2 (BiLD rollback, nats)")
                 with gr.Accordion("Sampling", open=False):
                     greedy = gr.Checkbox(DEFAULTS.greedy, label="greedy (argmax everywhere)")
                     temperature = gr.Slider(0, 2, value=DEFAULTS.temperature, step=0.05, label="temperature")
@@ -90,6 +99,7 @@ def build() -> gr.Blocks:
         examples.change(h.on_example, examples, prompt, queue=False)
         with_ar.change(h.toggle_ar, with_ar, lane_ar, queue=False)
         run_inputs = [prompt, pair, tau, beams, gamma, max_new, greedy, temperature, top_k, top_p, seed, with_ar]
+        run_inputs += [left, right, num_drafts, tau1, tau2]
         run_outputs = [status, lane_sd, lane_mtad, lane_ar, cards, tokens_plot, accept_plot, energy_plot]
         run_outputs += [energy_note, record, run_json]
         go = run_btn.click(h.arm, None, None, queue=False, api_name=False)
@@ -102,7 +112,9 @@ def build() -> gr.Blocks:
             concurrency_id="device",
             show_progress_on=[status],
         )
-        go.then(h.verify_reset, [record, v_lane], [v_iter, v_tau, v_html, v_plot], queue=False, api_name=False)
+        go.then(
+            h.verify_reset_lanes, [record, v_lane], [v_lane, v_iter, v_tau, v_html, v_plot], queue=False, api_name=False
+        )
         stop_btn.click(h.stop, None, None, queue=False, api_name=False)
         replay_btn.click(
             h.replay, record, [status, lane_sd, lane_mtad, lane_ar], api_name="replay", concurrency_limit=4

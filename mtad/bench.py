@@ -37,12 +37,16 @@ from mtad.settings import Settings
 if TYPE_CHECKING:
     from mtad.pair import ModelPair
 
-METHODS = ("ar", "sd", "mtad", "hf-assisted")
+METHODS = ("ar", "sd", "bild", "spectr", "specinfer", "mtad", "mtad-tree", "hf-assisted")
 SWEPT: dict[str, tuple[str, ...]] = {
     "ar": (),
     "sd": ("gamma",),
     "hf-assisted": ("gamma",),
     "mtad": ("gamma", "beams", "tau"),
+    "mtad-tree": ("gamma", "beams", "tau"),
+    "bild": ("gamma",),
+    "spectr": ("gamma",),
+    "specinfer": ("gamma",),
 }
 """The settings each method depends on (and so is swept over); the others are not swept for it."""
 METRIC_FIELDS = tuple(f.name for f in fields(Metrics) if f.name != "energy_note")

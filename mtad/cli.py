@@ -1,4 +1,4 @@
-"""``python -m mtad generate``: decode one prompt with ar, sd or mtad and show the trace."""
+"""``python -m mtad generate``: decode one prompt with any decoder (ar, sd, mtad, bild, ...) and show the trace."""
 
 from __future__ import annotations
 
@@ -70,9 +70,12 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--method", choices=METHODS, default="mtad")
     add_sampling_args(g)
     d = Settings()
-    g.add_argument("--gamma", type=int, default=d.gamma, help="draft length (1-32)")
+    g.add_argument("--gamma", type=int, help=f"draft length (1-32; default {d.gamma}, BiLD 10)")
     g.add_argument("--beams", type=int, default=d.beams, help="MTAD beam count (1-64)")
     g.add_argument("--tau", type=float, default=d.tau, help="MTAD threshold in [0, 1]")
+    g.add_argument("-m", "--num-drafts", type=int, default=d.num_drafts, help="Spectr/SpecInfer draft sequences (1-16)")
+    g.add_argument("--tau1", type=float, default=d.tau1, help="BiLD fallback threshold in [0, 1]")
+    g.add_argument("--tau2", type=float, default=d.tau2, help="BiLD rollback threshold (target NLL, nats, >= 0)")
     g.add_argument("--seed", type=int, default=d.seed)
     g.add_argument("--json", action="store_true", help="print one JSON object instead of coloured text")
     g.add_argument("--raw", action="store_true", help="continue the prompt as plain text (no chat template)")
@@ -92,12 +95,11 @@ def sampling_settings(args: argparse.Namespace) -> Settings:
 
 
 def settings_from_args(args: argparse.Namespace, method: str) -> Settings:
-    """The whole ``generate`` settings: the shared sampling flags plus method, gamma, beams, tau, seed."""
-    return (
-        sampling_settings(args)
-        .with_(method=method, gamma=args.gamma, beams=args.beams, tau=args.tau, seed=args.seed)
-        .validate()
-    )
+    """The whole ``generate`` settings: the shared sampling flags plus the method's own (gamma defaults
+    to the method's paper value when not given)."""
+    gamma = Settings.for_method(method).gamma if args.gamma is None else args.gamma
+    own = {"beams": args.beams, "tau": args.tau, "num_drafts": args.num_drafts, "tau1": args.tau1, "tau2": args.tau2}
+    return sampling_settings(args).with_(method=method, gamma=gamma, seed=args.seed, **own).validate()
 
 
 def main(argv: list[str] | None = None) -> int:

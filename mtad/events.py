@@ -14,6 +14,12 @@ class Step:
     prefix j), under exactly the distributions the acceptance rule compared (warped when
     sampling, plain softmax at T=1 when greedy). ``target_logprobs`` are the target's unwarped
     T=1 log-probabilities of the appended tokens: the perplexity metric reads them.
+
+    Multi-candidate methods (spectr, specinfer, mtad-tree) also fill ``candidates`` (every drafted
+    sequence, in draft order), ``chosen`` (the candidate the kept tokens came from; ``draft_ids``,
+    ``log_p`` and ``log_q`` describe it) and ``candidate_kept`` (per candidate, how many of its leading
+    tokens were kept). ``accepted`` stays the number of draft tokens appended, so acceptance is
+    accepted / ``len(draft_ids)`` for every method (docs/methods.md).
     """
 
     index: int
@@ -29,6 +35,9 @@ class Step:
     beam_scores: list[float] | None = None
     best_beam: int | None = None
     uniforms: list[float] | None = None
+    candidates: list[list[int]] | None = None
+    chosen: int | None = None
+    candidate_kept: list[int] | None = None
     target_calls: int = 0
     draft_calls: int = 0
     draft_seconds: float = 0.0

@@ -5,10 +5,15 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
-METHODS = ("ar", "sd", "mtad")
+METHODS = ("ar", "sd", "mtad", "mtad-tree", "bild", "spectr", "specinfer")
+MULTI_DRAFT = ("spectr", "specinfer")
+"""Methods that draft ``num_drafts`` i.i.d. sequences and verify them all in one target forward."""
+METHOD_DEFAULTS: dict[str, dict[str, object]] = {"bild": {"gamma": 10}}
+"""Where a method's paper default (Table 13 of the MTAD paper) differs from the shared field default."""
 DRAFT_MODES = ("beam", "beam-sample")
 GAMMA_RANGE = (1, 32)
 BEAMS_RANGE = (1, 64)
+DRAFTS_RANGE = (1, 16)
 
 
 @dataclass(frozen=True)
@@ -16,7 +21,8 @@ class Settings:
     """Everything that decides what a decoder does, for any method.
 
     Sampling defaults are the paper's (T=1, top-k 20, top-p 0.9). ``greedy`` is the
-    T→0 limit: argmax everywhere, no randomness.
+    T→0 limit: argmax everywhere, no randomness. ``num_drafts`` (m) is Spectr's and SpecInfer's
+    draft count; ``tau1``/``tau2`` are BiLD's fallback and rollback thresholds (paper defaults).
     """
 
     method: str = "mtad"
@@ -28,6 +34,9 @@ class Settings:
     beams: int = 8
     tau: float = 0.1
     draft_mode: str = "beam"
+    num_drafts: int = 4
+    tau1: float = 0.9
+    tau2: float = 2.0
     max_new_tokens: int = 128
     seed: int = 0
 
@@ -41,6 +50,11 @@ class Settings:
         _int_in("beams", self.beams, *BEAMS_RANGE)
         if not _finite(self.tau) or not 0.0 <= self.tau <= 1.0:
             raise ValueError(f"tau must be between 0 and 1 (inclusive); got {self.tau}")
+        _int_in("num drafts (m)", self.num_drafts, *DRAFTS_RANGE)
+        if not _finite(self.tau1) or not 0.0 <= self.tau1 <= 1.0:
+            raise ValueError(f"tau1 (BiLD fallback threshold) must be between 0 and 1 (inclusive); got {self.tau1}")
+        if not _finite(self.tau2) or self.tau2 < 0:
+            raise ValueError(f"tau2 (BiLD rollback threshold, in nats) must be a finite number >= 0; got {self.tau2}")
         if not _finite(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top-p must be in (0, 1]; got {self.top_p}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
@@ -60,6 +74,11 @@ class Settings:
     def is_greedy(self) -> bool:
         """Greedy when asked for, or when the temperature is 0 (the T→0 limit)."""
         return self.greedy or self.temperature == 0
+
+    @classmethod
+    def for_method(cls, method: str, **fields: object) -> Settings:
+        """Settings for ``method`` with its paper defaults (e.g. BiLD's gamma 10); ``fields`` override them."""
+        return cls(method=method, **{**METHOD_DEFAULTS.get(method, {}), **fields})
 
     def with_(self, **changes: object) -> Settings:
         """A copy with some fields changed (frozen dataclass helper)."""

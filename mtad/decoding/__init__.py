@@ -5,14 +5,22 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from mtad.decoding.autoregressive import ar_step
+from mtad.decoding.bild import bild_step
 from mtad.decoding.mtad import mtad_step
+from mtad.decoding.mtad_tree import mtad_tree_step
 from mtad.decoding.rules import mtad_accept_length, mtad_passes
+from mtad.decoding.specinfer import specinfer_step
+from mtad.decoding.spectr import spectr_step
 from mtad.decoding.speculative import sd_step
 from mtad.decoding.state import DecodeState
 from mtad.events import Run, Step
 from mtad.settings import Settings
 
 STEPS: dict[str, Callable[[DecodeState], Step]] = {"ar": ar_step, "sd": sd_step, "mtad": mtad_step}
+STEPS["mtad-tree"] = mtad_tree_step
+STEPS["bild"] = bild_step
+STEPS["spectr"] = spectr_step
+STEPS["specinfer"] = specinfer_step
 
 __all__ = ["decode", "encode_prompt", "generate", "mtad_accept_length", "mtad_passes"]
 

@@ -6,7 +6,8 @@ import plotly.graph_objects as go
 
 from mtad.ui.record import LaneRecord
 
-COLOURS = {"sd": "#2563eb", "mtad": "#ea580c", "ar": "#6b7280"}
+COLOURS = {"sd": "#2563eb", "mtad": "#ea580c", "ar": "#6b7280", "mtad-tree": "#b45309"}
+COLOURS |= {"bild": "#7c3aed", "spectr": "#0d9488", "specinfer": "#db2777"}
 GRID = "rgba(128,128,128,0.25)"
 
 

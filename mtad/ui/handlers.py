@@ -20,6 +20,9 @@ from mtad.ui.runner import CANCELS, OOM_MESSAGE, PAIRS, free_device_memory, run_
 
 log = logging.getLogger(__name__)
 LANES = ("sd", "mtad", "ar")
+"""The default lanes: two racing decoders (the visitor may pick others) and the optional AR lane."""
+RACERS = ("sd", "mtad", "mtad-tree", "bild", "spectr", "specinfer")
+"""The decoders a visitor may race against each other."""
 PLOT_EVERY = 0.5  # seconds between live plot refreshes (lanes refresh every iteration batch)
 EMPTY_PROMPT = "the prompt is empty: type some text to continue"
 
@@ -96,7 +99,17 @@ def lane_note(method: str, settings: dict) -> str:
     g = f"γ = {settings.get('gamma')}"
     if method == "sd":
         return g
+    if method in ("spectr", "specinfer"):
+        return f"m = {settings.get('num_drafts')}, {g}"
+    if method == "bild":
+        return f"{g}, τ1 = {settings.get('tau1'):g}, τ2 = {settings.get('tau2'):g}"
     return f"W = {settings.get('beams')}, {g}, τ = {settings.get('tau'):g}"
+
+
+def slots(record: RunRecord | None) -> tuple[str, str, str]:
+    """Which method each of the page's three lane boxes shows: the two racers, then AR."""
+    racers = [m for m in record.lanes if m != "ar"] if record else []
+    return (*racers, "ar") if len(racers) == 2 else LANES
 
 
 # ---------------------------------------------------------------- run
@@ -124,8 +137,10 @@ def outputs(record: RunRecord | None, status: str, plots: bool, final: bool = Fa
     """The run event's outputs, in the order app.py lists them."""
     lanes = list(record.lanes.values()) if record else []
     prompt = record.prompt if record else ""
-    notes = {m: lane_note(m, record.settings) for m in LANES} if record else {}
-    lane_htmls = [tokens.lane_html(record.lane(m) if record else None, prompt, note=notes.get(m, "")) for m in LANES]
+    notes = {m: lane_note(m, record.settings) for m in slots(record)} if record else {}
+    lane_htmls = [
+        tokens.lane_html(record.lane(m) if record else None, prompt, note=notes.get(m, "")) for m in slots(record)
+    ]
     if plots:
         energy = figures.energy_figure(lanes)
         plot_out = (
@@ -164,10 +179,18 @@ def run(
     seed: int,
     with_ar: bool,
     request: gr.Request,
+    left: str = "sd",
+    right: str = "mtad",
+    num_drafts: int = 4,
+    tau1: float = 0.9,
+    tau2: float = 2.0,
 ) -> Iterator[tuple]:
-    """Generate with SD, then MTAD (then AR if asked), streaming both lanes into the page."""
+    """Generate with the two picked decoders (default SD, then MTAD; then AR if asked), streaming the lanes."""
     try:
-        settings = parse_settings(tau, beams, gamma, max_new_tokens, greedy, temperature, top_k, top_p, seed)
+        settings = parse_settings(
+            tau, beams, gamma, max_new_tokens, greedy, temperature, top_k, top_p, seed, num_drafts, tau1, tau2
+        )
+        racers = pick_racers(left, right)
     except ValueError as exc:
         raise gr.Error(str(exc)) from None
     if not isinstance(prompt, str) or not prompt.strip():
@@ -182,7 +205,7 @@ def run(
         prompt_ids = encode_prompt(pair, prompt, settings)
     except (PairError, ValueError) as exc:
         raise gr.Error(str(exc)) from None
-    methods = ["sd", "mtad"] + (["ar"] if with_ar else [])
+    methods = racers + (["ar"] if with_ar else [])
     record = RunRecord(
         pair=pair_name,
         device=_device_name(pair.device),
@@ -211,6 +234,16 @@ def run(
     errors = [f"{lane.label}: {lane.error}" for lane in record.lanes.values() if lane.error]
     if errors:
         raise gr.Error("; ".join(errors))
+
+
+def pick_racers(left: object, right: object) -> list[str]:
+    """The two decoders to race, checked: known, and not the same one twice."""
+    for side, m in (("left", left), ("right", right)):
+        if m not in RACERS:
+            raise ValueError(f"the {side} lane must be one of {', '.join(RACERS)}; got {m!r}")
+    if left == right:
+        raise ValueError(f"both lanes are {LABELS[left]}: pick two different decoders to race")
+    return [str(left), str(right)]
 
 
 def _device_name(dev: torch.device) -> str:
@@ -248,7 +281,7 @@ def replay(record: RunRecord | None, max_seconds: float = 15.0) -> Iterator[tupl
             speed_note = "" if speed == 1 else f", ×{speed:.1f} speed"
             status = f"Replay on one time axis: t = {min(t, total):.2f} s of {total:.2f} s (true time{speed_note})"
             htmls = []
-            for m in LANES:
+            for m in slots(record):
                 lane = record.lane(m)
                 note = lane_note(m, record.settings)
                 htmls.append(tokens.lane_html(lane, record.prompt, upto=upto.get(m), note=note))
@@ -295,5 +328,13 @@ def verify_reset(record: RunRecord | None, method: str) -> tuple:
     return slider, gr.update(value=tau), html, fig
 
 
-def lane_choices() -> list[tuple[str, str]]:
-    return [(LABELS["sd"], "sd"), (LABELS["mtad"], "mtad")]
+def verify_reset_lanes(record: RunRecord | None, method: str) -> tuple:
+    """After a run: the lane picker offers the raced decoders (kept if still raced), then :func:`verify_reset`."""
+    choices = lane_choices(record)
+    values = [v for _, v in choices]
+    method = method if method in values else values[-1]
+    return (gr.update(choices=choices, value=method), *verify_reset(record, method))
+
+
+def lane_choices(record: RunRecord | None = None) -> list[tuple[str, str]]:
+    return [(LABELS[m], m) for m in slots(record)[:2]]

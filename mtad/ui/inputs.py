@@ -14,6 +14,7 @@ BEAMS_RANGE = (1, 16)
 GAMMA_RANGE = (1, 12)
 MAX_NEW_RANGE = (1, 512)
 TOP_K_RANGE = (0, 200)
+DRAFTS_RANGE = (1, 8)
 DEFAULTS = Settings(max_new_tokens=64)
 
 
@@ -55,6 +56,9 @@ def parse_settings(
     top_k: object,
     top_p: object,
     seed: object,
+    num_drafts: object = DEFAULTS.num_drafts,
+    tau1: object = DEFAULTS.tau1,
+    tau2: object = DEFAULTS.tau2,
 ) -> Settings:
     """Settings for the run from the widgets' values; ``ValueError`` with a message otherwise.
 
@@ -72,6 +76,9 @@ def parse_settings(
         draft_mode="beam",
         max_new_tokens=as_int("max new tokens", max_new_tokens, *MAX_NEW_RANGE),
         seed=as_int("seed", seed, 0, 2**31 - 1),
+        num_drafts=as_int("drafts m", num_drafts, *DRAFTS_RANGE),
+        tau1=as_float("τ1 (BiLD fallback)", tau1),
+        tau2=as_float("τ2 (BiLD rollback)", tau2),
     )
     return s.validate()
 

@@ -8,7 +8,15 @@ from mtad.events import Step
 from mtad.metrics import Metrics, summarize
 from mtad.text import token_pieces
 
-LABELS = {"sd": "Speculative decoding", "mtad": "MTAD", "ar": "Autoregressive (baseline)"}
+LABELS = {
+    "sd": "Speculative decoding",
+    "mtad": "MTAD",
+    "ar": "Autoregressive (baseline)",
+    "mtad-tree": "MTAD, all beams verified",
+    "bild": "BiLD",
+    "spectr": "Spectr",
+    "specinfer": "SpecInfer",
+}
 
 
 @dataclass

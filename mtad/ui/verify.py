@@ -64,6 +64,41 @@ def beams_html(lane: LaneRecord, step: Step, tokenizer: object | None) -> str:
     )
 
 
+def candidates_html(lane: LaneRecord, step: Step, tokenizer: object | None) -> str:
+    """Every candidate the target verified this iteration, the kept part of each marked, ★ the followed one."""
+    if not step.candidates:
+        return ""
+    kept = step.candidate_kept or [0] * len(step.candidates)
+    rows = []
+    for c, cand in enumerate(step.candidates):
+        pieces = draft_pieces(lane, step.index, tokenizer, cand)
+        toks = "".join(
+            f'<span class="vtok{" vtok-kept" if i < kept[c] else ""}">{escape(visible(p))}</span>'
+            for i, p in enumerate(pieces)
+        )
+        chosen = c == step.chosen
+        rows.append(
+            f'<tr class="{"beam-chosen" if chosen else ""}"><td>{"★ " if chosen else ""}{c + 1}</td>'
+            f"<td>{toks}</td><td>{kept[c]} of {len(cand)}</td></tr>"
+        )
+    return (
+        f'<div class="v-sub">All {len(step.candidates)} candidates, verified in one target forward '
+        "(★ = the one whose prefix was kept)</div>"
+        '<table class="v-table"><tr><th>candidate</th><th>tokens</th><th>kept</th></tr>' + "".join(rows) + "</table>"
+    )
+
+
+RULES = {
+    "bild": "BiLD keeps draft tokens until the first whose negative log-likelihood under the target exceeds τ2, "
+    "then the target writes that position (not exact: kept tokens are the draft's)",
+    "spectr": "Spectr's K-SEQ tries the candidates' tokens in turn at each position (accept x with "
+    "min(1, p/(ρq))), follows the candidates carrying the accepted token, and resamples from its residual "
+    "when none passes (exact)",
+    "specinfer": "SpecInfer's MSS walks the token tree: children are tried in turn against p, then against "
+    "norm(max(0, p − q)) after each rejection; the last residual gives the token when all fail (exact)",
+}
+
+
 def mtad_table(step: Step, pieces: list[str], tau: float) -> str:
     """Per prefix j: log q_j, log p_j, their difference, and whether min(1, p_j/q_j) > tau."""
     passed = mtad_passes(step.log_p, step.log_q, tau)
@@ -114,7 +149,13 @@ def verdict_html(lane: LaneRecord, step: Step, tau: float, run_tau: float) -> st
     eta = mtad_accept_length(step.log_p, step.log_q, tau)
     passing = [str(j + 1) for j, ok in enumerate(mtad_passes(step.log_p, step.log_q, tau)) if ok]
     rule = f"τ = {tau:.3f} (log τ = {log_tau_text(tau)})"
-    if lane.method == "mtad":
+    if lane.method in RULES:
+        lines = [
+            f'{RULES[lane.method]}. It kept <b class="v-eta">{step.accepted}</b> of {g} draft tokens of the followed '
+            "candidate, then added the target's token.",
+            f"For comparison, MTAD's joint rule at {rule} would accept {eta} of this draft.",
+        ]
+    elif lane.method in ("mtad", "mtad-tree"):
         which = ", ".join(passing) if passing else "none"
         lines = [
             f"At {rule} the passing prefixes are: {which}. MTAD keeps the <b>longest</b> passing prefix, "
@@ -171,8 +212,9 @@ def verify_html(
         )
     pieces = draft_pieces(lane, index, tokenizer, step.draft_ids)
     parts = [head]
-    if lane.method == "mtad":
-        parts += [beams_html(lane, step, tokenizer), mtad_table(step, pieces, tau)]
+    parts.append(candidates_html(lane, step, tokenizer))
+    if lane.method in ("mtad", "mtad-tree"):
+        parts += [beams_html(lane, step, tokenizer) if not step.candidates else "", mtad_table(step, pieces, tau)]
     else:
         parts += [sd_table(step, pieces)]
     parts.append(verdict_html(lane, step, tau, run_tau))
@@ -193,7 +235,7 @@ def verify_figure(lane: LaneRecord | None, index: int, tau: float) -> go.Figure:
     step = lane.steps[index]
     js = list(range(1, len(step.draft_ids) + 1))
     log_tau = math.log(tau) if 0 < tau < 1 else (0.0 if tau >= 1 else -math.inf)
-    if lane.method == "mtad":
+    if lane.method in ("mtad", "mtad-tree"):
         d = [lp - lq if math.isfinite(lp) else -math.inf for lp, lq in zip(step.log_p, step.log_q, strict=True)]
         floor = _floor(d, log_tau)
         ok = mtad_passes(step.log_p, step.log_q, tau)

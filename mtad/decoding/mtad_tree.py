@@ -1,0 +1,69 @@
+"""MTAD verifying all W beams (the paper's future work): the longest passing prefix over every beam."""
+
+from __future__ import annotations
+
+import torch
+
+from mtad.decoding.autoregressive import ar_step
+from mtad.decoding.beams import beam_draft
+from mtad.decoding.multidraft import kept_lengths, verified
+from mtad.decoding.rules import mtad_accept_length_t
+from mtad.decoding.state import DecodeState, to_host
+from mtad.events import Step
+from mtad.sampling import pick
+
+
+def mtad_tree_step(st: DecodeState) -> Step:
+    """Beam-draft W beams, score all of them in one target forward (a token tree where the attention
+    kernel allows, else W batch rows: :func:`mtad.decoding.multidraft.layout`), keep the beam with the longest
+    passing prefix (ties: the draft's best beam, then the lowest index) plus one target token.
+
+    With W = 1 this is MTAD exactly: the same draws, the same forward, the same rule."""
+    g = st.draft_length()
+    if g <= 0:
+        return ar_step(st)
+    t0 = st.begin()
+    beams = beam_draft(st, g)  # leaves the draft cache on the best beam's row
+    checked = verified(st, beams.tokens)
+    logits = torch.stack([torch.stack([checked.at(w, i) for i in range(g + 1)]) for w in range(len(beams.tokens))])
+    log_p = st.judged(logits)
+    lp_x = log_p[:, :g].gather(2, beams.tokens[:, :, None])[:, :, 0]
+    joint_p, joint_q = lp_x.cumsum(1), beams.token_logq.cumsum(1)
+    etas = torch.stack([mtad_accept_length_t(jp, jq, st.settings.tau) for jp, jq in zip(joint_p, joint_q, strict=True)])
+    width = etas.numel()
+    rank = etas * (2 * width) + (torch.arange(width, device=st.device) == beams.best) * width
+    chosen = (rank - torch.arange(width, device=st.device)).argmax()
+    eta = etas[chosen]
+    extra = pick(log_p[chosen, eta], st.settings, st.generator)
+    rows = torch.arange(g + 1, device=st.device)
+    draft = beams.tokens[chosen]
+    kept = torch.where(rows < eta, torch.cat([draft, draft[:1]]), extra)
+    kept_lp = torch.log_softmax(logits[chosen], dim=-1)[rows, kept]
+    host = to_host(
+        beams.tokens, beams.scores, beams.best, joint_p[chosen], joint_q[chosen], chosen, eta, extra, kept_lp
+    )
+    all_beams, scores, best, jp, jq, chosen_i, eta_i, extra_i, kept_lps = host
+    all_beams = [all_beams[i * g : (i + 1) * g] for i in range(width)]
+    checked.keep(chosen_i, eta_i)
+    if chosen_i != best:  # the draft cache holds the best beam: keep only what it shares with the chosen one
+        shared = kept_lengths([all_beams[best]], all_beams[chosen_i])[0]
+        st.draft.rollback(len(st.ids) + shared)
+    draft_ids = all_beams[chosen_i]
+    step = Step(
+        index=0,
+        method=st.settings.method,
+        draft_ids=draft_ids,
+        log_p=jp,
+        log_q=jq,
+        accepted=eta_i,
+        from_target=[False] * eta_i + [True],
+        target_logprobs=kept_lps[: eta_i + 1],
+        beams=all_beams,
+        beam_scores=scores,
+        best_beam=best,
+        candidates=all_beams,
+        chosen=chosen_i,
+        candidate_kept=kept_lengths(all_beams, draft_ids[:eta_i]),
+        draft_calls=g,
+    )
+    return st.finish(t0, step, draft_ids[:eta_i] + [extra_i], eta_i)

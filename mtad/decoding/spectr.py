@@ -1,0 +1,57 @@
+"""Spectr (Sun et al. 2023): m i.i.d. drafts verified with k-sequential selection (K-SEQ), exact."""
+
+from __future__ import annotations
+
+import torch
+
+from mtad.decoding.multidraft import multi_step
+from mtad.decoding.state import DecodeState
+from mtad.events import Step
+
+
+def kseq_rho(p: torch.Tensor, q: torch.Tensor, k: int, iters: int = 40) -> float:
+    """The smallest rho in [1, k] with 1 - (1 - beta)^k <= rho * beta, beta = sum min(q, p / rho).
+
+    That inequality is what keeps K-SEQ's residual non-negative (so the output law is p); the
+    acceptance 1 - (1 - beta)^k falls as rho grows, so the smallest feasible rho is the best. Both
+    sides are monotone in rho, so bisection finds it; the upper end (always feasible) is returned."""
+    lo, hi = 1.0, float(k)
+    if _feasible(p, q, k, lo):
+        return lo
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if _feasible(p, q, k, mid) else (mid, hi)
+    return hi
+
+
+def _feasible(p: torch.Tensor, q: torch.Tensor, k: int, rho: float) -> bool:
+    beta = float(torch.minimum(q, p / rho).sum())
+    return 1 - (1 - beta) ** k <= rho * beta + 1e-12
+
+
+def kseq_residual(p: torch.Tensor, q: torch.Tensor, k: int, rho: float) -> torch.Tensor:
+    """Where to draw from when no candidate passed: p minus the mass the k tries already gave."""
+    accept = torch.minimum(q, p / rho)
+    beta = float(accept.sum())
+    if beta <= 0:
+        return p
+    return (p - accept * (1 - (1 - beta) ** k) / beta).clamp_min(0)
+
+
+def kseq(
+    p: torch.Tensor, q: torch.Tensor, cands: list[int], generator: torch.Generator
+) -> tuple[int | None, torch.Tensor]:
+    """K-SEQ on k i.i.d. candidates from q: try each in turn, accepting x with min(1, p(x) / (rho q(x)));
+    if none passes, draw from :func:`kseq_residual`. With k = 1 it is speculative sampling."""
+    k = len(cands)
+    rho = kseq_rho(p, q, k)
+    u = torch.rand(k, generator=generator, device=p.device, dtype=p.dtype)
+    for i, x in enumerate(cands):
+        if u[i] * rho * q[x] < p[x]:
+            return i, p
+    return None, kseq_residual(p, q, k, rho)
+
+
+def spectr_step(st: DecodeState) -> Step:
+    """One Spectr iteration: ``num_drafts`` i.i.d. drafts of gamma tokens, K-SEQ along the tree they span."""
+    return multi_step(st, kseq)

@@ -1,0 +1,209 @@
+"""BiLD, Spectr, SpecInfer and MTAD over all beams: greedy equalities, hand-made BiLD cases,
+the single-position rules against their exact law, and the multi-row cache against a recompute."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from conftest import cached_next_logits, full_logits
+from scipy.stats import chisquare
+from test_architectures import arch_pair  # noqa: F401  (the OPT/Qwen2 pair fixture)
+
+from mtad.decoding import STEPS, decode, generate, specinfer, spectr
+from mtad.decoding.bild import bild_rollback
+from mtad.decoding.state import DecodeState
+from mtad.pair import load
+from mtad.settings import Settings
+
+PROMPT = "abc de"
+
+
+def new_ids(pair, s: Settings) -> list[int]:  # noqa: ANN001
+    return generate(pair, PROMPT, s).new_ids
+
+
+@pytest.mark.parametrize("method", ["spectr", "specinfer"])
+def test_greedy_multi_draft_equals_greedy_ar(tiny_pair, method: str) -> None:  # noqa: ANN001
+    ar = new_ids(tiny_pair, Settings(method="ar", greedy=True, max_new_tokens=40))
+    got = generate(tiny_pair, PROMPT, Settings(method=method, greedy=True, gamma=3, num_drafts=3, max_new_tokens=40))
+    assert got.new_ids == ar
+    assert any(s.accepted > 0 for s in got.steps) and any(s.accepted < len(s.draft_ids) for s in got.steps)
+
+
+@pytest.mark.parametrize("mode", ["beam", "beam-sample"])
+@pytest.mark.parametrize("greedy", [True, False])
+def test_mtad_tree_with_one_beam_is_mtad(tiny_pair, mode: str, greedy: bool) -> None:  # noqa: ANN001
+    if greedy and mode == "beam-sample":
+        pytest.skip("greedy and beam sampling contradict each other (refused by Settings)")
+    for seed in range(3):
+        s = Settings(method="mtad", greedy=greedy, beams=1, draft_mode=mode, tau=0.3, seed=seed, max_new_tokens=30)
+        mtad = generate(tiny_pair, PROMPT, s)
+        tree = generate(tiny_pair, PROMPT, s.with_(method="mtad-tree"))
+        assert tree.new_ids == mtad.new_ids
+        assert [t.accepted for t in tree.steps] == [t.accepted for t in mtad.steps]
+
+
+def test_mtad_tree_keeps_the_longest_prefix_over_all_beams(tiny_pair) -> None:  # noqa: ANN001
+    """Every beam's passing length, recomputed from full draft and target forwards: the kept one is
+    the longest, and the first iteration drafts what MTAD drafts and never keeps less."""
+    from mtad.decoding.rules import mtad_accept_length
+    from mtad.sampling import log_probs
+
+    def joints(model, ctx: list[int], beam: list[int], s: Settings) -> list[float]:  # noqa: ANN001
+        with torch.inference_mode():
+            lp = log_probs(model(input_ids=torch.tensor([ctx + beam])).logits[0].float(), s)
+        return (
+            torch.tensor([float(lp[len(ctx) - 1 + j, t]) for j, t in enumerate(beam)], dtype=torch.float64)
+            .cumsum(0)
+            .tolist()
+        )
+
+    chose_other = 0
+    for seed in range(3):
+        s = Settings(method="mtad-tree", beams=4, tau=0.5, seed=seed, max_new_tokens=24)
+        ids = tiny_pair.encode(PROMPT)
+        mtad = next(decode(tiny_pair, ids, s.with_(method="mtad")))
+        ctx = list(ids)
+        for k, step in enumerate(decode(tiny_pair, ids, s)):
+            if step.candidates is None:  # the budget's last token comes from a plain target step
+                continue
+            if k == 0:
+                assert step.candidates[step.best_beam] == mtad.draft_ids and step.accepted >= mtad.accepted
+            etas = [
+                mtad_accept_length(joints(tiny_pair.target, ctx, b, s), joints(tiny_pair.draft, ctx, b, s), s.tau)
+                for b in step.candidates
+            ]
+            assert step.accepted == max(etas) == etas[step.chosen]
+            assert step.candidate_kept[step.chosen] == step.accepted
+            chose_other += step.chosen != step.best_beam
+            ctx += step.appended_ids
+    assert chose_other, "no iteration kept a beam other than the draft's best: the all-beams path never ran"
+
+
+def test_bild_tau2_zero_greedy_is_greedy_ar(tiny_pair) -> None:  # noqa: ANN001
+    ar = new_ids(tiny_pair, Settings(method="ar", greedy=True, max_new_tokens=40))
+    run = generate(tiny_pair, PROMPT, Settings(method="bild", greedy=True, tau1=0.0, tau2=0.0, max_new_tokens=40))
+    assert run.new_ids == ar
+    assert all(s.accepted == 0 for s in run.steps) and any(s.draft_ids for s in run.steps)
+
+
+def test_bild_rollback_rule() -> None:
+    assert bild_rollback([0.1, 2.5, 0.3], 2.0) == 1
+    assert bild_rollback([0.1, 2.0, 0.3], 2.0) == 3  # exactly tau2 is kept
+    assert bild_rollback([3.0], 2.0) == 0
+    assert bild_rollback([0.5, float("inf")], 2.0) == 1
+    assert bild_rollback([], 2.0) == 0
+
+
+def test_bild_fallback_always_and_never(tiny_pair) -> None:  # noqa: ANN001
+    """tau1 = 1: the draft is never sure, so the target writes every token (greedy: AR). tau1 = 0 and a
+    huge tau2: neither threshold fires, so every iteration keeps gamma drafts plus a bonus token."""
+    ar = new_ids(tiny_pair, Settings(method="ar", greedy=True, max_new_tokens=30))
+    always = generate(tiny_pair, PROMPT, Settings(method="bild", greedy=True, tau1=1.0, max_new_tokens=30))
+    assert always.new_ids == ar and all(s.draft_ids == [] for s in always.steps)
+    assert sum(s.draft_calls == 1 for s in always.steps) >= len(always.steps) - 1  # the last may be a plain AR step
+    never = generate(
+        tiny_pair, PROMPT, Settings(method="bild", greedy=True, gamma=5, tau1=0.0, tau2=1e9, max_new_tokens=30)
+    )
+    full = [s for s in never.steps if len(s.draft_ids) == 5]
+    assert full and all(s.accepted == 5 and (s.eos or len(s.appended_ids) == 6) for s in full)
+    assert any(not s.eos for s in full)
+
+
+@pytest.mark.parametrize("tau2", [1.5, 2.0])
+def test_bild_rolls_back_where_the_target_nll_exceeds_tau2(tiny_dirs, tau2: float) -> None:  # noqa: ANN001
+    """Each iteration's kept count and target token, recomputed from a full target forward. The
+    target drafts for itself here (random tiny models disagree too much for a draft to pass)."""
+    tiny_pair = load(tiny_dirs[1], tiny_dirs[1], device="cpu")
+    s = Settings(method="bild", greedy=True, gamma=3, tau1=0.0, tau2=tau2, max_new_tokens=60)
+    ids = tiny_pair.encode(PROMPT)
+    ctx, rolled, clean = list(ids), 0, 0
+    for step in decode(tiny_pair, ids, s):
+        with torch.inference_mode():
+            lp = torch.log_softmax(tiny_pair.target(input_ids=torch.tensor([ctx + step.draft_ids])).logits[0], -1)
+        nll = [-float(lp[len(ctx) - 1 + j, t]) for j, t in enumerate(step.draft_ids)]
+        n = next((j for j, v in enumerate(nll) if v > s.tau2), len(nll))
+        assert step.accepted == n
+        assert (
+            step.appended_ids[: n + 1]
+            == (step.draft_ids[:n] + [int(lp[len(ctx) - 1 + n].argmax())])[: len(step.appended_ids)]
+        )
+        rolled += n < len(step.draft_ids)
+        clean += n == len(step.draft_ids) > 0
+        ctx += step.appended_ids
+    assert rolled and clean, (rolled, clean)
+
+
+# --- the single-position rules against the law they must produce --------------------------------
+
+P = torch.tensor([0.05, 0.4, 0.3, 0.2, 0.05], dtype=torch.float64)
+Q = torch.tensor([0.4, 0.05, 0.1, 0.05, 0.4], dtype=torch.float64)
+DRAWS = 6000
+
+
+def rule_law(rule, k: int) -> Counter:  # noqa: ANN001
+    g = torch.Generator().manual_seed(11)
+    counts = Counter()
+    for _ in range(DRAWS):
+        cands = torch.multinomial(Q, k, replacement=True, generator=g).tolist()
+        idx, residual = rule(P, Q, cands, g)
+        counts[cands[idx] if idx is not None else int(torch.multinomial(residual, 1, generator=g))] += 1
+    return counts
+
+
+def pvalue(counts: Counter) -> float:
+    return float(chisquare([counts[i] for i in range(len(P))], (P * DRAWS).tolist()).pvalue)
+
+
+@pytest.mark.parametrize("rule", [spectr.kseq, specinfer.mss], ids=["kseq", "mss"])
+def test_rule_output_is_p(rule) -> None:  # noqa: ANN001
+    assert pvalue(rule_law(rule, 3)) > 1e-3
+
+
+def test_kseq_rho_keeps_the_residual_non_negative() -> None:
+    for k in (1, 2, 4):
+        rho = spectr.kseq_rho(P, Q, k)
+        accept = torch.minimum(Q, P / rho)
+        beta = float(accept.sum())
+        assert (P - accept * (1 - (1 - beta) ** k) / beta).min() >= -1e-9
+        assert rho == 1.0 if k == 1 else rho > 1.0
+
+
+def test_wrong_rules_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative controls: K-SEQ without its rho correction, MSS without its residual update."""
+    monkeypatch.setattr(spectr, "kseq_rho", lambda p, q, k: 1.0)
+    assert pvalue(rule_law(spectr.kseq, 3)) < 1e-3
+    monkeypatch.setattr(specinfer, "mss_residual", lambda p, q: p)
+    assert pvalue(rule_law(specinfer.mss, 3)) < 1e-3
+
+
+# --- caches after multi-row verification ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["spectr", "specinfer", "mtad-tree"])
+def test_cache_matches_recompute_after_multi_row_verification(tiny_pair, method: str) -> None:  # noqa: ANN001
+    s = Settings(method=method, gamma=4, beams=4, num_drafts=3, tau=0.3, max_new_tokens=40, seed=2)
+    st = DecodeState.start(tiny_pair, tiny_pair.encode(PROMPT), s)
+    step_fn = STEPS[method]
+    for _ in range(4):
+        step = step_fn(st)
+        assert step.candidates and len(step.candidates) == (4 if method == "mtad-tree" else 3)
+        for lm, model in ((st.target, tiny_pair.target), (st.draft, tiny_pair.draft)):
+            torch.testing.assert_close(cached_next_logits(lm, st.ids), full_logits(model, st.ids), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["spectr", "specinfer", "mtad-tree", "bild"])
+def test_other_architectures(arch_pair, method: str) -> None:  # noqa: ANN001, F811
+    """OPT and Qwen2 (the presets' other families): the multi-row verification's cache equals a
+    recompute, and the exact methods' greedy output is greedy AR's."""
+    s = Settings.for_method(method, gamma=4, beams=3, num_drafts=3, tau=0.3, tau1=0.0, max_new_tokens=30, seed=1)
+    st = DecodeState.start(arch_pair, arch_pair.encode(PROMPT), s)
+    for _ in range(3):
+        STEPS[method](st)
+        for lm, model in ((st.target, arch_pair.target), (st.draft, arch_pair.draft)):
+            torch.testing.assert_close(cached_next_logits(lm, st.ids), full_logits(model, st.ids), rtol=1e-4, atol=1e-4)
+    if method in ("spectr", "specinfer"):
+        ar = generate(arch_pair, PROMPT, Settings(method="ar", greedy=True, max_new_tokens=30)).new_ids
+        assert generate(arch_pair, PROMPT, s.with_(greedy=True)).new_ids == ar
