@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -35,7 +36,8 @@ def _varies(aggregates: Sequence[dict], param: str) -> bool:
 
 
 def sweep_figure(aggregates: Sequence[dict], param: str, subtitle: str = ""):  # noqa: ANN201
-    """Speed (left axis, solid) and perplexity (right axis, dashed) against ``param``; None if not swept.
+    """Pooled speed (left axis, solid) and perplexity (right axis, dashed) against ``param``, error bars the
+    per-run standard deviation; None if not swept.
 
     AR's speed and perplexity, when AR was run, are drawn as dotted reference lines.
     """
@@ -51,7 +53,7 @@ def sweep_figure(aggregates: Sequence[dict], param: str, subtitle: str = ""):  #
         fig.add_trace(
             go.Scatter(
                 x=x,
-                y=[r["tokens_per_second_mean"] for r in rows],
+                y=[r["tokens_per_second"] for r in rows],
                 name=f"{label}: speed",
                 mode="lines+markers",
                 error_y=_errors(rows, "tokens_per_second"),
@@ -61,7 +63,7 @@ def sweep_figure(aggregates: Sequence[dict], param: str, subtitle: str = ""):  #
         fig.add_trace(
             go.Scatter(
                 x=x,
-                y=[r["perplexity_mean"] for r in rows],
+                y=[r["perplexity"] for r in rows],
                 name=f"{label}: perplexity",
                 mode="lines+markers",
                 line={"dash": "dash"},
@@ -70,11 +72,11 @@ def sweep_figure(aggregates: Sequence[dict], param: str, subtitle: str = ""):  #
             secondary_y=True,
         )
     for r in aggregates:
-        if r["method"] == "ar" and r.get("tokens_per_second_mean") is not None:
-            fig.add_hline(y=r["tokens_per_second_mean"], line_dash="dot", annotation_text="AR speed", secondary_y=False)
-            if r.get("perplexity_mean") is not None:
+        if r["method"] == "ar" and r.get("tokens_per_second") is not None:
+            fig.add_hline(y=r["tokens_per_second"], line_dash="dot", annotation_text="AR speed", secondary_y=False)
+            if r.get("perplexity") is not None:
                 fig.add_hline(
-                    y=r["perplexity_mean"],
+                    y=r["perplexity"],
                     line_dash="dot",
                     line_color="gray",
                     annotation_text="AR perplexity",
@@ -102,11 +104,7 @@ def _errors(rows: Sequence[dict], metric: str) -> dict | None:
 
 def kaleido_available() -> bool:
     """Whether plotly can write PNGs here (kaleido importable); the bench never installs it."""
-    try:
-        import kaleido  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("kaleido") is not None
 
 
 def save_sweep_figures(

@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
-METHODS = ("ar", "sd", "mtad")
+METHODS = ("ar", "sd", "mtad", "hf-assisted")
+"""The registered decoders (``mtad.decoding.DECODERS``, which a test keeps equal to this)."""
 DRAFT_MODES = ("beam", "beam-sample")
 GAMMA_RANGE = (1, 32)
 BEAMS_RANGE = (1, 64)

@@ -6,16 +6,17 @@ The baseline a user would otherwise pick: each verification round becomes a ``St
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
+from transformers import GenerationConfig
+from transformers.utils import logging as hf_logging
 
+from mtad.decoding.state import Clock
 from mtad.events import Step
 from mtad.pair import ModelPair
 from mtad.settings import Settings
-
-HF_DRAFT_OPTIONS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
 
 
 @dataclass
@@ -40,8 +41,6 @@ class AssistTracer:
     """
 
     def __init__(self, pair: ModelPair) -> None:
-        from mtad.decoding.state import Clock
-
         self.clock = Clock(pair.device)
         self.rounds = [AssistRound()]
         self._t = 0.0
@@ -105,10 +104,22 @@ class AssistTracer:
 
 @dataclass
 class AssistTrace:
-    """What ``assisted_generate`` saw: the rounds and the whole output after the prompt."""
+    """What ``assisted_generate`` saw: the rounds, the output after the prompt and the target's unwarped
+    T=1 log-probabilities of it."""
 
     rounds: list[AssistRound]
     new_ids: list[int]
+    target_logprobs: list[float]
+
+
+def kept_drafts(drafts: list[int], appended: list[int]) -> int:
+    """Draft tokens among a round's kept tokens: their common prefix. A token the target chose there
+    differs from the draft (greedy: a match would have been accepted; sampling: the residual
+    max(0, p - q) is 0 at a rejected draft), and an EOS cut keeps only the drafts up to it."""
+    n = 0
+    while n < min(len(drafts), len(appended)) and drafts[n] == appended[n]:
+        n += 1
+    return n
 
 
 def _logits_width(model: torch.nn.Module) -> int:
@@ -152,38 +163,60 @@ class VocabBridge:
             cfg.vocab_size = size
 
 
-def assisted_generate(pair: ModelPair, prompt_ids: list[int], settings: Settings) -> AssistTrace:
-    """transformers' own assisted generation on the pair: ``target.generate(assistant_model=draft)``.
+def generation_config(pair: ModelPair, settings: Settings, draft: bool = False) -> GenerationConfig:
+    """A fresh config that sets every field that changes the output distribution, so nothing is inherited
+    from the models' own ``generation_config`` (transformers fills every unset field from it: a target that
+    ships ``repetition_penalty`` would otherwise decode a different distribution than our decoders).
 
-    The draft drafts exactly gamma tokens per round (constant schedule, no confidence early stop,
-    options set on the draft's ``generation_config`` where transformers 5 reads them, restored after).
-    Sampling follows the run's settings (temperature, top-k, top-p; greedy = no sampling) and
-    nothing else from the models' own generation configs (no repetition penalty, no min length).
-    """
-    from transformers import GenerationConfig
-    from transformers.utils import logging as hf_logging
-
-    gc = pair.draft.generation_config
-    saved = {k: getattr(gc, k, None) for k in HF_DRAFT_OPTIONS}
-    gc.num_assistant_tokens = settings.gamma
-    gc.num_assistant_tokens_schedule = "constant"
-    gc.assistant_confidence_threshold = 0.0
+    The draft's (``draft=True``) also fixes its drafting: exactly gamma tokens per round (constant
+    schedule, no confidence early stop), where transformers 5 reads those options."""
     eos = sorted(pair.eos_ids)
     pad = pair.tokenizer.pad_token_id if pair.tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
-    sampling = (
-        {}
-        if settings.is_greedy
-        else {"temperature": settings.temperature, "top_k": settings.top_k, "top_p": settings.top_p}
-    )
+    greedy = settings.is_greedy
     extra = padding_ids(pair)
     config = GenerationConfig(
-        do_sample=not settings.is_greedy,
+        do_sample=not greedy,
+        temperature=1.0 if greedy else settings.temperature,
+        top_k=0 if greedy else settings.top_k,
+        top_p=1.0 if greedy else settings.top_p,
         max_new_tokens=settings.max_new_tokens,
+        min_length=0,
+        min_new_tokens=0,
+        num_beams=1,
+        num_return_sequences=1,
+        typical_p=1.0,
+        epsilon_cutoff=0.0,
+        eta_cutoff=0.0,
+        repetition_penalty=1.0,
+        encoder_repetition_penalty=1.0,
+        no_repeat_ngram_size=0,
+        encoder_no_repeat_ngram_size=0,
+        length_penalty=1.0,
+        renormalize_logits=False,
+        remove_invalid_values=False,
         eos_token_id=eos or None,
         pad_token_id=pad,
         suppress_tokens=extra or None,
-        **sampling,
+        output_logits=True,
+        return_dict_in_generate=True,
     )
+    if draft:
+        config.num_assistant_tokens = settings.gamma
+        config.num_assistant_tokens_schedule = "constant"
+        config.assistant_confidence_threshold = 0.0
+    return config
+
+
+def assisted_generate(pair: ModelPair, prompt_ids: list[int], settings: Settings) -> AssistTrace:
+    """transformers' own assisted generation on the pair: ``target.generate(assistant_model=draft)``.
+
+    Both models' ``generation_config`` are replaced by :func:`generation_config` for the call (and
+    restored after), so the run follows our settings and nothing else; the target's raw logits of the
+    kept tokens come back with the output (``output_logits``), so perplexity needs no extra forward.
+    """
+    saved = (pair.target.generation_config, pair.draft.generation_config)
+    pair.target.generation_config = generation_config(pair, settings)
+    pair.draft.generation_config = generation_config(pair, settings, draft=True)
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=pair.device)
     torch.manual_seed(settings.seed)
     if pair.device.type == "cuda":
@@ -191,14 +224,14 @@ def assisted_generate(pair: ModelPair, prompt_ids: list[int], settings: Settings
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     tracer = AssistTracer(pair)
-    bridge = VocabBridge(pair) if extra else None
+    bridge = VocabBridge(pair) if padding_ids(pair) else None
     try:
         tracer.begin()
         out = pair.target.generate(
             ids,
             attention_mask=torch.ones_like(ids),
             assistant_model=pair.draft,
-            generation_config=config,
+            generation_config=pair.target.generation_config,
             streamer=tracer,
         )
     finally:
@@ -206,39 +239,37 @@ def assisted_generate(pair: ModelPair, prompt_ids: list[int], settings: Settings
         if bridge is not None:
             bridge.close()
         hf_logging.set_verbosity(verbosity)
-        for k, v in saved.items():
-            setattr(gc, k, v)
-    return AssistTrace(rounds=tracer.rounds, new_ids=[int(t) for t in out[0, len(prompt_ids) :].tolist()])
+        pair.target.generation_config, pair.draft.generation_config = saved
+    new = out.sequences[0, len(prompt_ids) :]
+    lps = []
+    if new.numel():
+        logits = torch.cat(out.logits, dim=0)[:, : pair.vocab_size].float()
+        lps = torch.log_softmax(logits, dim=-1).gather(-1, new[:, None])[:, 0].tolist()
+    return AssistTrace(rounds=tracer.rounds, new_ids=[int(t) for t in new.tolist()], target_logprobs=lps)
 
 
-@torch.inference_mode()
-def target_logprobs(pair: ModelPair, prompt_ids: list[int], new_ids: list[int]) -> list[float]:
-    """The target's unwarped T=1 log-probabilities of ``new_ids`` after the prompt, in ONE forward."""
-    if not new_ids:
-        return []
-    ids = torch.tensor([prompt_ids + new_ids], dtype=torch.long, device=pair.device)
-    n = len(prompt_ids)
-    logits = pair.target(input_ids=ids).logits[0, n - 1 : -1, : pair.vocab_size].float()
-    return torch.log_softmax(logits, dim=-1).gather(-1, ids[0, n:, None])[:, 0].tolist()
+def assisted_decode(pair: ModelPair, prompt_ids: list[int], settings: Settings) -> Iterator[Step]:
+    """The registry's decoder for ``hf-assisted``: the whole generation, then its rounds as Steps."""
+    yield from assisted_steps(pair, assisted_generate(pair, prompt_ids, settings))
 
 
-def assisted_steps(pair: ModelPair, prompt_ids: list[int], trace: AssistTrace) -> list[Step]:
-    """One Step per round (drafts, accepted count, kept tokens, calls, seconds), with the target's
-    log-probabilities from one extra, untimed forward, so ``summarize`` reads it like any decoder."""
-    lps = target_logprobs(pair, prompt_ids, trace.new_ids)
-    rounds = trace.rounds
+def assisted_steps(pair: ModelPair, trace: AssistTrace) -> list[Step]:
+    """One Step per round (drafts, accepted count, kept tokens, calls, seconds, the target's
+    log-probabilities), so ``summarize`` reads it like any decoder."""
+    lps = trace.target_logprobs
+    rounds, lumped = trace.rounds, False
     if [t for r in rounds for t in r.appended] != trace.new_ids:  # the streamer missed rounds: one lump step
         cands = [r.candidates for r in rounds if r.candidates is not None]
         lump = AssistRound(appended=trace.new_ids, candidates=torch.cat(cands) if cands else None)
         for r in rounds:
             for k in ("draft_calls", "target_calls", "draft_seconds", "target_seconds", "seconds"):
                 setattr(lump, k, getattr(lump, k) + getattr(r, k))
-        rounds = [lump]
+        rounds, lumped = [lump], True
     steps, pos = [], 0
     for i, r in enumerate(rounds):
         drafts = [] if r.candidates is None else [int(t) for t in r.candidates.tolist()]
         n = len(r.appended)
-        accepted = min(max(n - r.target_calls, 0), len(drafts)) if len(rounds) == 1 else max(n - 1, 0)
+        accepted = min(max(n - r.target_calls, 0), len(drafts)) if lumped else kept_drafts(drafts, r.appended)
         steps.append(
             Step(
                 index=i,

@@ -10,6 +10,7 @@ import torch
 from transformers import DynamicCache
 
 from mtad.events import Step
+from mtad.pair import ModelPair
 from mtad.sampling import log_probs, make_generator
 from mtad.settings import Settings
 
@@ -75,7 +76,8 @@ class DecodeState:
     target_seconds: float = field(default=0.0)
 
     @classmethod
-    def start(cls, pair, prompt_ids: list[int], settings: Settings) -> DecodeState:  # noqa: ANN001
+    def start(cls, pair: ModelPair, prompt_ids: list[int], settings: Settings) -> DecodeState:
+        """Fresh caches, buffer, generator and clock for one generation."""
         needs_draft = settings.method != "ar"
         return cls(
             settings=settings,
@@ -146,6 +148,7 @@ class DecodeState:
         after an EOS cut, and stamp the step's index, method and phase times."""
         kept = self.commit(proposed, accepted_in_cache)
         step.appended_ids = kept
+        step.accepted = min(step.accepted, len(kept))  # an EOS inside the accepted drafts ends the kept ones
         step.from_target = step.from_target[: len(kept)]
         step.target_logprobs = step.target_logprobs[: len(kept)]
         step.eos = kept[-1] in self.eos_ids
