@@ -6,6 +6,7 @@ The baseline a user would otherwise pick: each verification round becomes a ``St
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -13,7 +14,7 @@ import torch
 from transformers import GenerationConfig
 from transformers.utils import logging as hf_logging
 
-from mtad.decoding.state import Clock
+from mtad.decoding.state import PhaseTimer
 from mtad.events import Step
 from mtad.pair import ModelPair
 from mtad.settings import Settings
@@ -30,6 +31,8 @@ class AssistRound:
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
     seconds: float = 0.0
+    draft_spans: list[tuple] = field(default_factory=list)
+    target_spans: list[tuple] = field(default_factory=list)
 
 
 class AssistTracer:
@@ -37,13 +40,15 @@ class AssistTracer:
 
     The draft proposes one token per forward, so a round's draft calls are its candidates, which
     are the last tokens of the target's verification input; the streamer receives each round's
-    kept tokens. Forwards are timed with the engine's synchronised clock.
+    kept tokens (transformers copies them to the host: the round's one sync). Forwards are timed
+    with the engine's ``PhaseTimer``, read when generation has ended, so timing adds no sync.
     """
 
     def __init__(self, pair: ModelPair) -> None:
-        self.clock = Clock(pair.device)
+        self.timer = PhaseTimer(pair.device)
+        self.device = pair.device
         self.rounds = [AssistRound()]
-        self._t = 0.0
+        self._t: object = None
         self._round_start = 0.0
         self._hooks = [
             pair.draft.register_forward_pre_hook(self._draft_pre),
@@ -54,24 +59,30 @@ class AssistTracer:
 
     def begin(self) -> None:
         """Start the clock of the first round."""
-        self._round_start = self.clock.now()
+        self._round_start = time.perf_counter()
 
     def close(self) -> None:
-        """Remove the hooks; bill the time after the last round to it; drop an empty trailing round."""
+        """Remove the hooks; bill the time after the last round to it; drop an empty trailing round;
+        read every forward's seconds (one sync on CUDA, after generation)."""
         for h in self._hooks:
             h.remove()
-        end = self.clock.now()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        end = time.perf_counter()
         if len(self.rounds) > 1 and not self.rounds[-1].target_calls:
             self.rounds.pop()
         self.rounds[-1].seconds += end - self._round_start
+        for r in self.rounds:
+            r.draft_seconds = self.timer.seconds(r.draft_spans)
+            r.target_seconds = self.timer.seconds(r.target_spans)
 
     def _draft_pre(self, module: torch.nn.Module, args: tuple) -> None:
-        self._t = self.clock.now()
+        self._t = self.timer.mark()
 
     def _draft_post(self, module: torch.nn.Module, args: tuple, output: object) -> None:
         r = self.rounds[-1]
         r.draft_calls += 1
-        r.draft_seconds += self.clock.now() - self._t
+        r.draft_spans.append((self._t, self.timer.mark()))
 
     def _target_pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         r = self.rounds[-1]
@@ -79,12 +90,12 @@ class AssistTracer:
         n = r.draft_calls
         if ids is not None and n:
             r.candidates = ids[0, -n:].clone()  # no host sync here: read after generation
-        self._t = self.clock.now()
+        self._t = self.timer.mark()
 
     def _target_post(self, module: torch.nn.Module, args: tuple, output: object) -> None:
         r = self.rounds[-1]
         r.target_calls += 1
-        r.target_seconds += self.clock.now() - self._t
+        r.target_spans.append((self._t, self.timer.mark()))
 
     # the streamer interface of generate(): the prompt first, then each round's kept tokens
     def put(self, value: torch.Tensor) -> None:
@@ -93,7 +104,7 @@ class AssistTracer:
         if not r.target_calls:
             return
         r.appended = [int(t) for t in value.reshape(-1).tolist()]
-        now = self.clock.now()
+        now = time.perf_counter()
         r.seconds = now - self._round_start
         self._round_start = now
         self.rounds.append(AssistRound())
