@@ -416,6 +416,20 @@ def train_model(
     return {"steps": step, "elapsed": time.time() - t_start, "history": history}
 
 
+def write_info(folder: Path, args_info: dict, model: Any, res: dict, cfg: TrainCfg) -> None:
+    """``info.json`` of one trained model: the arguments, size, steps, tokens seen, time and loss history."""
+    info = {
+        "args": args_info,
+        "params": n_params(model),
+        "steps": res["steps"],
+        "tokens_seen": res["steps"] * cfg.batch * cfg.seq,
+        "train_seconds": round(res["elapsed"], 1),
+        "history": res["history"],
+        "cfg": asdict(cfg),
+    }
+    (folder / "info.json").write_text(json.dumps(info, indent=1))
+
+
 def load_trained(work: Path, name: str, config: Any) -> tuple[Any, dict]:
     model = make_model(config, 0)
     st = torch.load(work / name / "ckpt.pt", weights_only=False)
@@ -485,54 +499,28 @@ def evaluate_dirs(out: Path, seq: int = 512, max_tokens: int | None = None, log:
 
 @torch.no_grad()
 def simulate_greedy_sd(out: Path, prompts: Path, gamma: int = 4, max_new_tokens: int = 128, log: Log = print) -> dict:
-    """Exact tokens-per-target-call of greedy speculative decoding, computed offline.
+    """Tokens per target call of greedy speculative decoding on the exported pair, measured by running the
+    engine's own ``sd`` decoder (no second model of SD here) and folded by ``mtad.metrics``."""
+    from mtad.decoding import decode, encode_prompt
+    from mtad.metrics import pool, summarize
+    from mtad.pair import load
+    from mtad.prompts import read_prompts
+    from mtad.settings import Settings
 
-    With greedy acceptance the output equals the target's greedy continuation ``g``, and the
-    draft's i-th proposal in a block is its argmax given the (accepted, hence correct) prefix.
-    So one teacher-forced draft pass over ``prompt + g`` gives, per position, whether the draft
-    would have proposed ``g[k]``; each target call then emits the run of matches (at most
-    ``gamma``) plus one token of its own.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(out / "target")
-    target = AutoModelForCausalLM.from_pretrained(out / "target").eval()
-    draft = AutoModelForCausalLM.from_pretrained(out / "draft").eval()
-    rows = [json.loads(ln) for ln in prompts.read_text().splitlines() if ln.strip()]
-    per_prompt, tot_tokens, tot_calls, tot_match = [], 0, 0, 0
-    for r in rows:
-        ids = torch.tensor([tok.encode(r["prompt"])])
-        full = target.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-            pad_token_id=tok.eos_token_id,
-        )
-        g = full[0, ids.size(1) :]
-        if g.numel() == 0:
-            continue
-        pred = draft(input_ids=full[:, :-1]).logits[0, ids.size(1) - 1 :].argmax(-1)
-        match = (pred == g).tolist()
-        pos, calls = 0, 0
-        while pos < len(g):
-            run = 0
-            while run < gamma and pos + run < len(g) and match[pos + run]:
-                run += 1
-            pos += run + 1
-            calls += 1
-        per_prompt.append(len(g) / calls)
-        tot_tokens += len(g)
-        tot_calls += calls
-        tot_match += sum(match)
+    pair = load(str(out / "draft"), str(out / "target"), device="cpu")
+    settings = Settings(method="sd", greedy=True, gamma=gamma, max_new_tokens=max_new_tokens)
+    runs = [
+        summarize(list(decode(pair, encode_prompt(pair, p.text, settings), settings))) for p in read_prompts(prompts)
+    ]
+    pooled = pool(runs)
     res = {
-        "prompts": len(per_prompt),
+        "prompts": len(runs),
         "gamma": gamma,
         "max_new_tokens": max_new_tokens,
-        "mean_tokens_per_target_call": sum(per_prompt) / len(per_prompt),
-        "aggregate_tokens_per_target_call": tot_tokens / tot_calls,
-        "draft_matches_target_greedy": tot_match / tot_tokens,
-        "generated_tokens": tot_tokens,
+        "mean_tokens_per_target_call": sum(m.block_efficiency for m in runs) / len(runs),
+        "aggregate_tokens_per_target_call": pooled.block_efficiency,
+        "acceptance": pooled.acceptance,
+        "generated_tokens": pooled.new_tokens,
     }
     log(json.dumps(res, indent=1))
     return res
@@ -728,16 +716,7 @@ def main(argv: list[str] | None = None) -> int:
             threads=args.threads,
         )
         res = train_model(model, data, held, cfg, work, args.resume, log=log)
-        info = {
-            "args": args_info,
-            "params": n_params(model),
-            "steps": res["steps"],
-            "tokens_seen": res["steps"] * batch * args.seq,
-            "train_seconds": round(res["elapsed"], 1),
-            "history": res["history"],
-            "cfg": asdict(cfg),
-        }
-        (work / name / "info.json").write_text(json.dumps(info, indent=1))
+        write_info(work / name, args_info, model, res, cfg)
 
     if args.distill_steps and args.stage in ("all", "distill"):
         # optional: fine-tune the trained draft towards the trained target's distribution
@@ -758,16 +737,7 @@ def main(argv: list[str] | None = None) -> int:
             threads=args.threads,
         )
         res = train_model(model, data, held, cfg, work, args.resume, log=log, teacher=teacher)
-        info = {
-            "args": args_info,
-            "params": n_params(model),
-            "steps": res["steps"],
-            "tokens_seen": res["steps"] * args.draft_batch * args.seq,
-            "train_seconds": round(res["elapsed"], 1),
-            "history": res["history"],
-            "cfg": asdict(cfg),
-        }
-        (work / "draft_kd" / "info.json").write_text(json.dumps(info, indent=1))
+        write_info(work / "draft_kd", args_info, model, res, cfg)
 
     if args.stage in ("all", "export"):
         for name in ("draft", "target"):

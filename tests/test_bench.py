@@ -628,3 +628,49 @@ def test_common_prompts_leave_out_a_prompt_one_row_did_not_finish():
     assert rows["a"]["perplexity"] == pytest.approx(math.exp(9.0 / 4))
     assert rows["a"]["perplexity_common"] == pytest.approx(math.exp(1.0 / 2))
     assert rows["b"]["perplexity_common"] == pytest.approx(math.exp(3.0 / 3))
+
+
+# --- one home: prompt files and greedy SD are read and run by the library ------------------------------------------
+
+
+def test_the_pages_examples_read_spec_bench_turns(tmp_path):
+    from mtad.pair import Preset
+    from mtad.ui.inputs import example_prompts
+
+    f = tmp_path / "question.jsonl"
+    f.write_text('{"question_id": 81, "category": "writing", "turns": ["Compose a blog post", "Rewrite it"]}\n')
+    assert example_prompts(Preset("x", "d", "t", "desc", prompts=str(f))) == [
+        ("[writing] Compose a blog post", "Compose a blog post")
+    ]
+
+
+def test_train_pair_greedy_sd_figure_is_the_engines(tiny_dirs, prompts_file):
+    """``simulate_greedy_sd`` runs the engine; checked here against the teacher-forced count: greedy SD's
+    output is the target's greedy continuation g, and each target call keeps the draft's run of argmax
+    matches along g (at most gamma) plus one token of its own."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mtad.train_pair import simulate_greedy_sd
+
+    out = Path(tiny_dirs[0]).parent
+    res = simulate_greedy_sd(out, Path(prompts_file), gamma=3, max_new_tokens=12, log=lambda _: None)
+    tok = AutoTokenizer.from_pretrained(tiny_dirs[1])
+    draft, target = (AutoModelForCausalLM.from_pretrained(d).eval() for d in tiny_dirs)
+    tokens = calls = 0
+    for text in read_prompts(prompts_file):
+        ids = torch.tensor([tok.encode(text.text)])
+        with torch.inference_mode():
+            full = target.generate(ids, do_sample=False, max_new_tokens=12, pad_token_id=0, eos_token_id=0)
+            g = full[0, ids.shape[1] :]
+            match = (draft(input_ids=full[:, :-1]).logits[0, ids.shape[1] - 1 :].argmax(-1) == g).tolist()
+        pos = 0
+        while pos < len(g):
+            run = 0
+            while run < 3 and pos + run < len(g) - 1 and match[pos + run]:
+                run += 1
+            pos += run + 1
+            calls += 1
+        tokens += len(g)
+    assert calls < tokens  # some drafts were accepted, so the count is not trivially one per token
+    assert res["prompts"] == len(PROMPTS) and res["generated_tokens"] == tokens
+    assert res["aggregate_tokens_per_target_call"] == pytest.approx(tokens / calls)
