@@ -6,6 +6,9 @@ import importlib.util
 from collections.abc import Sequence
 from pathlib import Path
 
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
 SWEEPS = {
     "tau": ("tau_sweep", "acceptance threshold τ"),
     "beams": ("beam_sweep", "number of beams W"),
@@ -35,15 +38,12 @@ def _varies(aggregates: Sequence[dict], param: str) -> bool:
     return len(swept_values(aggregates, param)) > 1
 
 
-def sweep_figure(aggregates: Sequence[dict], param: str, subtitle: str = ""):  # noqa: ANN201
+def sweep_figure(aggregates: Sequence[dict], param: str, subtitle: str = "") -> go.Figure | None:
     """Pooled speed (left axis, solid) and perplexity (right axis, dashed) against ``param``, error bars the
     per-run standard deviation; None if not swept.
 
     AR's speed and perplexity, when AR was run, are drawn as dotted reference lines.
     """
-    import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
-
     if len(swept_values(aggregates, param)) < 2:
         return None
     name, title = SWEEPS[param]

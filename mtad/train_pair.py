@@ -29,6 +29,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import ast
 import hashlib
 import json
 import math
@@ -45,6 +46,22 @@ from typing import Any
 
 import numpy as np
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
+
+from mtad.decoding import decode, encode_prompt
+from mtad.metrics import pool as pool_runs
+from mtad.metrics import summarize
+from mtad.pair import load
+from mtad.prompts import read_prompts
+from mtad.settings import Settings
 
 Log = Callable[[str], None]
 
@@ -97,7 +114,6 @@ def sha256_file(path: Path) -> str:
 
 
 def train_tokenizer(texts: list[str], vocab_size: int) -> Any:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -114,8 +130,6 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> Any:
 
 
 def wrap_tokenizer(tok: Any) -> Any:
-    from transformers import PreTrainedTokenizerFast
-
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=EOS,
@@ -198,8 +212,6 @@ SIZES = {
 
 
 def make_config(size: Size, vocab_size: int, eos_id: int, max_pos: int) -> Any:
-    from transformers import LlamaConfig
-
     return LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=size.hidden,
@@ -221,8 +233,6 @@ def make_config(size: Size, vocab_size: int, eos_id: int, max_pos: int) -> Any:
 
 
 def make_model(config: Any, seed: int) -> Any:
-    from transformers import LlamaForCausalLM
-
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     model.config._attn_implementation = "sdpa"
@@ -441,8 +451,6 @@ def load_trained(work: Path, name: str, config: Any) -> tuple[Any, dict]:
 
 
 def export(model: Any, work: Path, out_dir: Path, eos_id: int) -> None:
-    from transformers import AutoTokenizer, GenerationConfig
-
     out_dir.mkdir(parents=True, exist_ok=True)
     model.generation_config = GenerationConfig(
         bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id, do_sample=False
@@ -461,8 +469,6 @@ def export(model: Any, work: Path, out_dir: Path, eos_id: int) -> None:
 @torch.no_grad()
 def evaluate_dirs(out: Path, seq: int = 512, max_tokens: int | None = None, log: Log = print) -> dict:
     """Held-out perplexity of both models and argmax agreement (draft vs target)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     heldout = [ln for ln in (out / "heldout_files.txt").read_text().splitlines() if ln]
     tok = AutoTokenizer.from_pretrained(out / "target")
     ids = encode_docs(tok, [read_text(r) for r in heldout])
@@ -501,18 +507,12 @@ def evaluate_dirs(out: Path, seq: int = 512, max_tokens: int | None = None, log:
 def simulate_greedy_sd(out: Path, prompts: Path, gamma: int = 4, max_new_tokens: int = 128, log: Log = print) -> dict:
     """Tokens per target call of greedy speculative decoding on the exported pair, measured by running the
     engine's own ``sd`` decoder (no second model of SD here) and folded by ``mtad.metrics``."""
-    from mtad.decoding import decode, encode_prompt
-    from mtad.metrics import pool, summarize
-    from mtad.pair import load
-    from mtad.prompts import read_prompts
-    from mtad.settings import Settings
-
     pair = load(str(out / "draft"), str(out / "target"), device="cpu")
     settings = Settings(method="sd", greedy=True, gamma=gamma, max_new_tokens=max_new_tokens)
     runs = [
         summarize(list(decode(pair, encode_prompt(pair, p.text, settings), settings))) for p in read_prompts(prompts)
     ]
-    pooled = pool(runs)
+    pooled = pool_runs(runs)
     res = {
         "prompts": len(runs),
         "gamma": gamma,
@@ -531,7 +531,6 @@ def simulate_greedy_sd(out: Path, prompts: Path, gamma: int = 4, max_new_tokens:
 
 def _prompt_candidates(rel: str, text: str) -> list[dict]:
     """Function/class headers with the start of their body, cut at line ends."""
-    import ast
 
     try:
         tree = ast.parse(text)
@@ -689,8 +688,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     data = np.load(work / "data" / "train.npy")
     held = np.load(work / "data" / "heldout.npy")
-    from transformers import AutoTokenizer
-
     eos_id = AutoTokenizer.from_pretrained(work / "data" / "tokenizer").convert_tokens_to_ids(EOS)
     args_info = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     args_info["draft_size"] = asdict(sizes["draft"])
