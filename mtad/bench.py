@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from mtad.bench_aggregate import aggregate
-from mtad.bench_report import environment, render_table, write_outputs
+from mtad.bench_report import environment, git_commit, render_table, write_outputs
 from mtad.bench_run import Case, build_cases, run_bench
 from mtad.cli import add_pair_args, add_sampling_args, load_pair_from_args, sampling_settings
 from mtad.decoding import encode_prompt
@@ -160,6 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     meter = EnergyMeter(pair.device)
+    commit = git_commit()
     result = run_bench(
         pair,
         cases,
@@ -185,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         table += f"\ninterrupted: {len(result.records)} runs measured, the table is partial"
     print(table)
     if out is not None:
-        env = environment(pair, argv, meter.reason, meter.source)
+        env = environment(pair, argv, meter.reason, meter.source, commit)
         config = {
             "methods": sorted({c.method for c in cases}, key=METHODS.index),
             "cases": [{"case": c.label, **c.settings.to_dict()} for c in cases],

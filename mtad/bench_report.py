@@ -91,8 +91,11 @@ def render_table(aggregates: Sequence[dict], energy_note: str | None = None) -> 
     return "\n".join(out)
 
 
-def environment(pair: ModelPair, argv: Sequence[str], meter_reason: str | None, meter_source: str) -> dict:
-    """Where and how the figures were measured: date, device, versions, the exact command."""
+def environment(
+    pair: ModelPair, argv: Sequence[str], meter_reason: str | None, meter_source: str, commit: str | None
+) -> dict:
+    """Where and how the figures were measured: date, device, versions, the exact command, and the commit
+    the code was loaded from (read before the run: a long run may outlive it)."""
     dev = pair.device
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else (platform.processor() or platform.machine())
     draft_params, target_params = pair.parameters()
@@ -114,7 +117,7 @@ def environment(pair: ModelPair, argv: Sequence[str], meter_reason: str | None, 
         "cuda": torch.version.cuda,
         "energy_source": meter_source,
         "energy_unavailable_reason": meter_reason,
-        "git_commit": git_commit(),
+        "git_commit": commit,
     }
 
 
