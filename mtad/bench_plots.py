@@ -9,12 +9,13 @@ from pathlib import Path
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from mtad.bench_run import SWEPT
+
 SWEEPS = {
     "tau": ("tau_sweep", "acceptance threshold τ"),
     "beams": ("beam_sweep", "number of beams W"),
     "gamma": ("gamma_sweep", "draft length γ"),
 }
-PARAMS = ("gamma", "beams", "tau")
 
 
 def swept_values(aggregates: Sequence[dict], param: str) -> list:
@@ -28,7 +29,7 @@ def sweep_series(aggregates: Sequence[dict], param: str) -> dict[str, list[dict]
     for r in aggregates:
         if r.get(param) is None:
             continue
-        others = [f"{k}={r[k]:g}" for k in PARAMS if k != param and r.get(k) is not None and _varies(aggregates, k)]
+        others = [f"{k}={r[k]:g}" for k in SWEPT if k != param and r.get(k) is not None and _varies(aggregates, k)]
         key = " ".join([r["method"], *others])
         groups.setdefault(key, []).append(r)
     return {k: sorted(v, key=lambda r: r[param]) for k, v in groups.items()}

@@ -268,19 +268,11 @@ def assisted_steps(pair: ModelPair, trace: AssistTrace) -> list[Step]:
     """One Step per round (drafts, accepted count, kept tokens, calls, seconds, the target's
     log-probabilities), so ``summarize`` reads it like any decoder."""
     lps = trace.target_logprobs
-    rounds, lumped = trace.rounds, False
-    if [t for r in rounds for t in r.appended] != trace.new_ids:  # the streamer missed rounds: one lump step
-        cands = [r.candidates for r in rounds if r.candidates is not None]
-        lump = AssistRound(appended=trace.new_ids, candidates=torch.cat(cands) if cands else None)
-        for r in rounds:
-            for k in ("draft_calls", "target_calls", "draft_seconds", "target_seconds", "seconds"):
-                setattr(lump, k, getattr(lump, k) + getattr(r, k))
-        rounds, lumped = [lump], True
     steps, pos = [], 0
-    for i, r in enumerate(rounds):
+    for i, r in enumerate(trace.rounds):
         drafts = [] if r.candidates is None else [int(t) for t in r.candidates.tolist()]
         n = len(r.appended)
-        accepted = min(max(n - r.target_calls, 0), len(drafts)) if lumped else kept_drafts(drafts, r.appended)
+        accepted = kept_drafts(drafts, r.appended)
         steps.append(
             Step(
                 index=i,
