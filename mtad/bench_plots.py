@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Sequence
 from pathlib import Path
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from mtad.bench_run import SWEPT
 
 SWEEPS = {
     "tau": ("tau_sweep", "acceptance threshold τ"),
     "beams": ("beam_sweep", "number of beams W"),
     "gamma": ("gamma_sweep", "draft length γ"),
 }
-PARAMS = ("gamma", "beams", "tau")
 
 
 def swept_values(aggregates: Sequence[dict], param: str) -> list:
@@ -24,7 +29,7 @@ def sweep_series(aggregates: Sequence[dict], param: str) -> dict[str, list[dict]
     for r in aggregates:
         if r.get(param) is None:
             continue
-        others = [f"{k}={r[k]:g}" for k in PARAMS if k != param and r.get(k) is not None and _varies(aggregates, k)]
+        others = [f"{k}={r[k]:g}" for k in SWEPT if k != param and r.get(k) is not None and _varies(aggregates, k)]
         key = " ".join([r["method"], *others])
         groups.setdefault(key, []).append(r)
     return {k: sorted(v, key=lambda r: r[param]) for k, v in groups.items()}
@@ -34,14 +39,12 @@ def _varies(aggregates: Sequence[dict], param: str) -> bool:
     return len(swept_values(aggregates, param)) > 1
 
 
-def sweep_figure(aggregates: Sequence[dict], param: str, subtitle: str = ""):  # noqa: ANN201
-    """Speed (left axis, solid) and perplexity (right axis, dashed) against ``param``; None if not swept.
+def sweep_figure(aggregates: Sequence[dict], param: str, subtitle: str = "") -> go.Figure | None:
+    """Pooled speed (left axis, solid) and perplexity (right axis, dashed) against ``param``, error bars the
+    per-run standard deviation; None if not swept.
 
     AR's speed and perplexity, when AR was run, are drawn as dotted reference lines.
     """
-    import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
-
     if len(swept_values(aggregates, param)) < 2:
         return None
     name, title = SWEEPS[param]
@@ -51,7 +54,7 @@ def sweep_figure(aggregates: Sequence[dict], param: str, subtitle: str = ""):  #
         fig.add_trace(
             go.Scatter(
                 x=x,
-                y=[r["tokens_per_second_mean"] for r in rows],
+                y=[r["tokens_per_second"] for r in rows],
                 name=f"{label}: speed",
                 mode="lines+markers",
                 error_y=_errors(rows, "tokens_per_second"),
@@ -61,7 +64,7 @@ def sweep_figure(aggregates: Sequence[dict], param: str, subtitle: str = ""):  #
         fig.add_trace(
             go.Scatter(
                 x=x,
-                y=[r["perplexity_mean"] for r in rows],
+                y=[r["perplexity"] for r in rows],
                 name=f"{label}: perplexity",
                 mode="lines+markers",
                 line={"dash": "dash"},
@@ -70,11 +73,11 @@ def sweep_figure(aggregates: Sequence[dict], param: str, subtitle: str = ""):  #
             secondary_y=True,
         )
     for r in aggregates:
-        if r["method"] == "ar" and r.get("tokens_per_second_mean") is not None:
-            fig.add_hline(y=r["tokens_per_second_mean"], line_dash="dot", annotation_text="AR speed", secondary_y=False)
-            if r.get("perplexity_mean") is not None:
+        if r["method"] == "ar" and r.get("tokens_per_second") is not None:
+            fig.add_hline(y=r["tokens_per_second"], line_dash="dot", annotation_text="AR speed", secondary_y=False)
+            if r.get("perplexity") is not None:
                 fig.add_hline(
-                    y=r["perplexity_mean"],
+                    y=r["perplexity"],
                     line_dash="dot",
                     line_color="gray",
                     annotation_text="AR perplexity",
@@ -102,11 +105,7 @@ def _errors(rows: Sequence[dict], metric: str) -> dict | None:
 
 def kaleido_available() -> bool:
     """Whether plotly can write PNGs here (kaleido importable); the bench never installs it."""
-    try:
-        import kaleido  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("kaleido") is not None
 
 
 def save_sweep_figures(

@@ -1,10 +1,12 @@
-"""Every metric of a run, computed from its Steps in one place (engine, UI and bench share it)."""
+"""Every metric of a run, and of a group of runs, computed in one place (engine, UI and bench share it).
+
+The definitions are in docs/metrics.md."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 from mtad.events import Step, json_safe
 
@@ -23,6 +25,7 @@ class Metrics:
     block_efficiency: float
     acceptance: float | None
     perplexity: float
+    nll_sum: float
     seconds: float
     tokens_per_second: float
     draft_seconds: float
@@ -36,9 +39,17 @@ class Metrics:
     def to_dict(self) -> dict:
         return json_safe(asdict(self))
 
+    @classmethod
+    def from_dict(cls, d: dict) -> Metrics:
+        """Back from :meth:`to_dict` (a bench record): an NLL sum saved as None (infinite) is infinite again."""
+        values = {f.name: d[f.name] for f in fields(cls)}
+        if values["nll_sum"] is None:
+            values["nll_sum"] = math.inf
+        return cls(**values)
+
 
 def summarize(steps: Sequence[Step], joules: float | None = None, energy_note: str | None = None) -> Metrics:
-    """Fold a run's steps into its metrics (see DESIGN section 2 for each definition)."""
+    """Fold a run's steps into its metrics (docs/metrics.md defines each)."""
     new = sum(len(s.appended_ids) for s in steps)
     target_calls = sum(s.target_calls for s in steps)
     drafted = sum(len(s.draft_ids) for s in steps)
@@ -56,6 +67,7 @@ def summarize(steps: Sequence[Step], joules: float | None = None, energy_note: s
         block_efficiency=new / target_calls if target_calls else 0.0,
         acceptance=accepted / drafted if drafted else None,
         perplexity=perplexity(lps),
+        nll_sum=-math.fsum(lps),
         seconds=secs,
         tokens_per_second=new / secs if secs > 0 else 0.0,
         draft_seconds=d,
@@ -73,3 +85,46 @@ def perplexity(target_logprobs: Sequence[float]) -> float:
     if not target_logprobs:
         return float("nan")
     return math.exp(-sum(target_logprobs) / len(target_logprobs))
+
+
+@dataclass
+class Pooled:
+    """A group of runs (one bench row) as the paper reports it: totals over all its runs, not means of
+    per-run ratios. ``joules_per_token`` pools only the runs with an energy reading (None if none has)."""
+
+    runs: int
+    new_tokens: int
+    perplexity: float
+    tokens_per_second: float | None
+    block_efficiency: float | None
+    acceptance: float | None
+    overhead_fraction: float | None
+    joules_per_token: float | None
+    metered_runs: int
+
+    def to_dict(self) -> dict:
+        return json_safe(asdict(self))
+
+
+def pool(runs: Sequence[Metrics]) -> Pooled:
+    """Pooled figures of several runs: perplexity = exp(total NLL / total new tokens) (paper eq. 1 over
+    all tokens), speed = total tokens / total seconds, J/token = total joules / total tokens of the
+    metered runs, block efficiency and acceptance as ratios of totals; None where a total is 0."""
+    tokens = sum(m.new_tokens for m in runs)
+    seconds = sum(m.seconds for m in runs)
+    calls = sum(m.target_calls for m in runs)
+    drafted = sum(m.drafted for m in runs)
+    metered = [m for m in runs if m.joules is not None]
+    metered_tokens = sum(m.new_tokens for m in metered)
+    nll = math.fsum(m.nll_sum for m in runs)
+    return Pooled(
+        runs=len(runs),
+        new_tokens=tokens,
+        perplexity=math.exp(nll / tokens) if tokens else float("nan"),
+        tokens_per_second=tokens / seconds if seconds > 0 else None,
+        block_efficiency=tokens / calls if calls else None,
+        acceptance=sum(m.accepted for m in runs) / drafted if drafted else None,
+        overhead_fraction=sum(m.other_seconds for m in runs) / seconds if seconds > 0 else None,
+        joules_per_token=sum(m.joules for m in metered) / metered_tokens if metered_tokens else None,
+        metered_runs=len(metered),
+    )

@@ -20,12 +20,13 @@ class Prompt:
     text: str
 
 
-def read_prompts(path: str | Path, limit: int | None = None) -> list[Prompt]:
+def read_prompts(path: str | Path, limit: int | None = None, skip_invalid: bool = False) -> list[Prompt]:
     """Read a JSONL prompt file: one object per line with ``prompt`` (ours) or ``turns`` (Spec-Bench:
     the first turn is used). Blank lines are skipped; ``limit`` keeps the first N prompts.
 
     Raises ``PromptFileError`` for a missing or unreadable file, a line that is not a JSON object,
-    a line with neither field, or a file with no prompts.
+    a line with neither field (unless ``skip_invalid``: the page's examples skip such lines), or a file
+    with no prompts.
     """
     if limit is not None and limit < 1:
         raise PromptFileError(f"--limit must be at least 1; got {limit}")
@@ -40,7 +41,12 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[Prompt]:
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
-        prompts.append(_parse_line(path, number, line))
+        try:
+            prompts.append(_parse_line(path, number, line))
+        except PromptFileError:
+            if not skip_invalid:
+                raise
+            continue
         if limit is not None and len(prompts) >= limit:
             break
     if not prompts:

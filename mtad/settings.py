@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
-METHODS = ("ar", "sd", "mtad", "mtad-tree", "bild", "spectr", "specinfer")
+METHODS = ("ar", "sd", "mtad", "mtad-tree", "bild", "spectr", "specinfer", "hf-assisted")
+"""The registered decoders (``mtad.decoding.DECODERS``, which a test keeps equal to this)."""
 MULTI_DRAFT = ("spectr", "specinfer")
 """Methods that draft ``num_drafts`` i.i.d. sequences and verify them all in one target forward."""
 METHOD_DEFAULTS: dict[str, dict[str, object]] = {"bild": {"gamma": 10}}

@@ -29,6 +29,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import ast
 import hashlib
 import json
 import math
@@ -45,6 +46,22 @@ from typing import Any
 
 import numpy as np
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
+
+from mtad.decoding import decode, encode_prompt
+from mtad.metrics import pool as pool_runs
+from mtad.metrics import summarize
+from mtad.pair import load
+from mtad.prompts import read_prompts
+from mtad.settings import Settings
 
 Log = Callable[[str], None]
 
@@ -97,7 +114,6 @@ def sha256_file(path: Path) -> str:
 
 
 def train_tokenizer(texts: list[str], vocab_size: int) -> Any:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -114,8 +130,6 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> Any:
 
 
 def wrap_tokenizer(tok: Any) -> Any:
-    from transformers import PreTrainedTokenizerFast
-
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=EOS,
@@ -198,8 +212,6 @@ SIZES = {
 
 
 def make_config(size: Size, vocab_size: int, eos_id: int, max_pos: int) -> Any:
-    from transformers import LlamaConfig
-
     return LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=size.hidden,
@@ -221,8 +233,6 @@ def make_config(size: Size, vocab_size: int, eos_id: int, max_pos: int) -> Any:
 
 
 def make_model(config: Any, seed: int) -> Any:
-    from transformers import LlamaForCausalLM
-
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     model.config._attn_implementation = "sdpa"
@@ -416,6 +426,20 @@ def train_model(
     return {"steps": step, "elapsed": time.time() - t_start, "history": history}
 
 
+def write_info(folder: Path, args_info: dict, model: Any, res: dict, cfg: TrainCfg) -> None:
+    """``info.json`` of one trained model: the arguments, size, steps, tokens seen, time and loss history."""
+    info = {
+        "args": args_info,
+        "params": n_params(model),
+        "steps": res["steps"],
+        "tokens_seen": res["steps"] * cfg.batch * cfg.seq,
+        "train_seconds": round(res["elapsed"], 1),
+        "history": res["history"],
+        "cfg": asdict(cfg),
+    }
+    (folder / "info.json").write_text(json.dumps(info, indent=1))
+
+
 def load_trained(work: Path, name: str, config: Any) -> tuple[Any, dict]:
     model = make_model(config, 0)
     st = torch.load(work / name / "ckpt.pt", weights_only=False)
@@ -427,8 +451,6 @@ def load_trained(work: Path, name: str, config: Any) -> tuple[Any, dict]:
 
 
 def export(model: Any, work: Path, out_dir: Path, eos_id: int) -> None:
-    from transformers import AutoTokenizer, GenerationConfig
-
     out_dir.mkdir(parents=True, exist_ok=True)
     model.generation_config = GenerationConfig(
         bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id, do_sample=False
@@ -447,8 +469,6 @@ def export(model: Any, work: Path, out_dir: Path, eos_id: int) -> None:
 @torch.no_grad()
 def evaluate_dirs(out: Path, seq: int = 512, max_tokens: int | None = None, log: Log = print) -> dict:
     """Held-out perplexity of both models and argmax agreement (draft vs target)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     heldout = [ln for ln in (out / "heldout_files.txt").read_text().splitlines() if ln]
     tok = AutoTokenizer.from_pretrained(out / "target")
     ids = encode_docs(tok, [read_text(r) for r in heldout])
@@ -485,54 +505,22 @@ def evaluate_dirs(out: Path, seq: int = 512, max_tokens: int | None = None, log:
 
 @torch.no_grad()
 def simulate_greedy_sd(out: Path, prompts: Path, gamma: int = 4, max_new_tokens: int = 128, log: Log = print) -> dict:
-    """Exact tokens-per-target-call of greedy speculative decoding, computed offline.
-
-    With greedy acceptance the output equals the target's greedy continuation ``g``, and the
-    draft's i-th proposal in a block is its argmax given the (accepted, hence correct) prefix.
-    So one teacher-forced draft pass over ``prompt + g`` gives, per position, whether the draft
-    would have proposed ``g[k]``; each target call then emits the run of matches (at most
-    ``gamma``) plus one token of its own.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(out / "target")
-    target = AutoModelForCausalLM.from_pretrained(out / "target").eval()
-    draft = AutoModelForCausalLM.from_pretrained(out / "draft").eval()
-    rows = [json.loads(ln) for ln in prompts.read_text().splitlines() if ln.strip()]
-    per_prompt, tot_tokens, tot_calls, tot_match = [], 0, 0, 0
-    for r in rows:
-        ids = torch.tensor([tok.encode(r["prompt"])])
-        full = target.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-            pad_token_id=tok.eos_token_id,
-        )
-        g = full[0, ids.size(1) :]
-        if g.numel() == 0:
-            continue
-        pred = draft(input_ids=full[:, :-1]).logits[0, ids.size(1) - 1 :].argmax(-1)
-        match = (pred == g).tolist()
-        pos, calls = 0, 0
-        while pos < len(g):
-            run = 0
-            while run < gamma and pos + run < len(g) and match[pos + run]:
-                run += 1
-            pos += run + 1
-            calls += 1
-        per_prompt.append(len(g) / calls)
-        tot_tokens += len(g)
-        tot_calls += calls
-        tot_match += sum(match)
+    """Tokens per target call of greedy speculative decoding on the exported pair, measured by running the
+    engine's own ``sd`` decoder (no second model of SD here) and folded by ``mtad.metrics``."""
+    pair = load(str(out / "draft"), str(out / "target"), device="cpu")
+    settings = Settings(method="sd", greedy=True, gamma=gamma, max_new_tokens=max_new_tokens)
+    runs = [
+        summarize(list(decode(pair, encode_prompt(pair, p.text, settings), settings))) for p in read_prompts(prompts)
+    ]
+    pooled = pool_runs(runs)
     res = {
-        "prompts": len(per_prompt),
+        "prompts": len(runs),
         "gamma": gamma,
         "max_new_tokens": max_new_tokens,
-        "mean_tokens_per_target_call": sum(per_prompt) / len(per_prompt),
-        "aggregate_tokens_per_target_call": tot_tokens / tot_calls,
-        "draft_matches_target_greedy": tot_match / tot_tokens,
-        "generated_tokens": tot_tokens,
+        "mean_tokens_per_target_call": sum(m.block_efficiency for m in runs) / len(runs),
+        "aggregate_tokens_per_target_call": pooled.block_efficiency,
+        "acceptance": pooled.acceptance,
+        "generated_tokens": pooled.new_tokens,
     }
     log(json.dumps(res, indent=1))
     return res
@@ -543,7 +531,6 @@ def simulate_greedy_sd(out: Path, prompts: Path, gamma: int = 4, max_new_tokens:
 
 def _prompt_candidates(rel: str, text: str) -> list[dict]:
     """Function/class headers with the start of their body, cut at line ends."""
-    import ast
 
     try:
         tree = ast.parse(text)
@@ -701,8 +688,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     data = np.load(work / "data" / "train.npy")
     held = np.load(work / "data" / "heldout.npy")
-    from transformers import AutoTokenizer
-
     eos_id = AutoTokenizer.from_pretrained(work / "data" / "tokenizer").convert_tokens_to_ids(EOS)
     args_info = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     args_info["draft_size"] = asdict(sizes["draft"])
@@ -728,16 +713,7 @@ def main(argv: list[str] | None = None) -> int:
             threads=args.threads,
         )
         res = train_model(model, data, held, cfg, work, args.resume, log=log)
-        info = {
-            "args": args_info,
-            "params": n_params(model),
-            "steps": res["steps"],
-            "tokens_seen": res["steps"] * batch * args.seq,
-            "train_seconds": round(res["elapsed"], 1),
-            "history": res["history"],
-            "cfg": asdict(cfg),
-        }
-        (work / name / "info.json").write_text(json.dumps(info, indent=1))
+        write_info(work / name, args_info, model, res, cfg)
 
     if args.distill_steps and args.stage in ("all", "distill"):
         # optional: fine-tune the trained draft towards the trained target's distribution
@@ -758,16 +734,7 @@ def main(argv: list[str] | None = None) -> int:
             threads=args.threads,
         )
         res = train_model(model, data, held, cfg, work, args.resume, log=log, teacher=teacher)
-        info = {
-            "args": args_info,
-            "params": n_params(model),
-            "steps": res["steps"],
-            "tokens_seen": res["steps"] * args.draft_batch * args.seq,
-            "train_seconds": round(res["elapsed"], 1),
-            "history": res["history"],
-            "cfg": asdict(cfg),
-        }
-        (work / "draft_kd" / "info.json").write_text(json.dumps(info, indent=1))
+        write_info(work / "draft_kd", args_info, model, res, cfg)
 
     if args.stage in ("all", "export"):
         for name in ("draft", "target"):

@@ -15,7 +15,12 @@ import pytest
 import torch
 
 import mtad.bench as bench
-from mtad.decoding import generate, hf_assisted
+import mtad.bench_report as bench_report
+import mtad.bench_run as bench_run
+from mtad.bench_aggregate import mean_std
+from mtad.bench_run import Case
+from mtad.decoding import decode, generate, hf_assisted
+from mtad.energy import EnergyReading
 from mtad.events import json_safe
 from mtad.metrics import Metrics, summarize
 from mtad.prompts import PromptFileError, read_prompts
@@ -68,7 +73,7 @@ def sweep_run(tiny_dirs, prompts_file, tmp_path_factory):
         "--out", str(out),
     ]  # fmt: skip
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(bench, "summarize", spy)
+        mp.setattr(bench_run, "summarize", spy)
         code = bench.main(argv)
     data = json.loads((out / "bench.json").read_text())
     return {"code": code, "out": out, "data": data, "calls": calls}
@@ -196,20 +201,20 @@ def test_hf_assisted_runs_and_is_summarized_from_its_steps(sweep_run):
 def test_table_shape_and_unavailable_energy(sweep_run):
     table = (sweep_run["out"] / "table.txt").read_text()
     header = next(line for line in table.splitlines() if line.startswith("method"))
-    for col in ("speed (tok/s)", "J/token", "perplexity", "block eff.", "acceptance", "draft / target / other (s)"):
+    for col in ("speed (tok/s)", "J/token", "perplexity", "ppl common", "block eff.", "acceptance", "draft / target"):
         assert col in header
     ar = next(line for line in table.splitlines() if line.startswith("ar "))
     assert ar.count("n/a") == 2  # J/token on the CPU, and acceptance (AR drafts nothing)
     assert "J/token n/a: no GPU: running on cpu" in table
-    assert " ± " in table
+    assert "pooled over the row's runs" in table and "docs/metrics.md" in table
 
 
 @pytest.fixture(scope="module")
 def greedy_run(tiny_dirs, prompts_file):
     calls = []
     with pytest.MonkeyPatch.context() as mp:
-        real = bench.summarize
-        mp.setattr(bench, "summarize", lambda steps, **kw: calls.append(list(steps)) or real(steps, **kw))
+        real = bench_run.summarize
+        mp.setattr(bench_run, "summarize", lambda steps, **kw: calls.append(list(steps)) or real(steps, **kw))
         code = bench.main(
             [*pair_args(tiny_dirs), "--prompts", prompts_file, "--max-new-tokens", "8", "--greedy", "--tau", "1",
              "--methods", "ar,sd,hf-assisted,mtad", "--warmup", "0", "--no-progress"]
@@ -234,9 +239,9 @@ def test_greedy_methods_agree_token_for_token(greedy_run):
 
 
 def test_sampled_runs_reproduce_generate_with_the_same_seed(tiny_pair, tiny_dirs, prompts_file):
-    res = bench.run_bench(
+    res = bench_run.run_bench(
         tiny_pair,
-        bench.build_cases(["sd", "mtad"], Settings(max_new_tokens=8), [3], [2], [0.1]),
+        bench_run.build_cases(["sd", "mtad"], Settings(max_new_tokens=8), [3], [2], [0.1]),
         read_prompts(prompts_file, limit=1),
         [tiny_pair.encode(PROMPTS[0]["prompt"])],
         seeds=[5],
@@ -250,13 +255,14 @@ def test_sampled_runs_reproduce_generate_with_the_same_seed(tiny_pair, tiny_dirs
         assert rec["new_ids"] == generate(tiny_pair, PROMPTS[0]["prompt"], settings).new_ids
 
 
-def test_hf_assisted_restores_the_draft_generation_config(tiny_pair):
-    gc = tiny_pair.draft.generation_config
-    before = {k: getattr(gc, k, None) for k in hf_assisted.HF_DRAFT_OPTIONS}
-    case = bench.Case("hf-assisted", Settings(method="sd", gamma=2, max_new_tokens=6))
-    steps, reading = bench.run_case(tiny_pair, case, tiny_pair.encode("abc"), seed=1)
+def test_hf_assisted_restores_both_generation_configs(tiny_pair):
+    configs = (tiny_pair.target.generation_config, tiny_pair.draft.generation_config)
+    before = [c.to_dict() for c in configs]
+    steps, reading = bench_run.run_case(tiny_pair, Case(Settings(method="hf-assisted", gamma=2, max_new_tokens=6)),
+                                        tiny_pair.encode("abc"), seed=1)  # fmt: skip
     assert steps and reading is None
-    assert {k: getattr(gc, k, None) for k in hf_assisted.HF_DRAFT_OPTIONS} == before
+    assert (tiny_pair.target.generation_config, tiny_pair.draft.generation_config) == configs
+    assert [c.to_dict() for c in configs] == before
 
 
 def test_hf_assisted_bridges_a_padded_vocabulary(tiny_dirs, tmp_path):
@@ -273,13 +279,13 @@ def test_hf_assisted_bridges_a_padded_vocabulary(tiny_dirs, tmp_path):
     pair = load(tiny_dirs[0], str(tmp_path / "wide"), device="cpu")
     sizes = (pair.draft.config.vocab_size, pair.target.config.vocab_size)
     assert sizes[0] + 8 == sizes[1] and hf_assisted.padding_ids(pair) == list(range(sizes[0], sizes[1]))
-    greedy = Settings(method="sd", greedy=True, gamma=3, max_new_tokens=8)
+    greedy = Settings(method="hf-assisted", greedy=True, gamma=3, max_new_tokens=8)
     for prompt in ("abc de fgh", "hag bed cab"):
         ids = pair.encode(prompt)
-        hf, _ = bench.run_case(pair, bench.Case("hf-assisted", greedy), ids, seed=0)
-        ar, _ = bench.run_case(pair, bench.Case("ar", greedy.with_(method="ar")), ids, seed=0)
+        hf, _ = bench_run.run_case(pair, Case(greedy), ids, seed=0)
+        ar, _ = bench_run.run_case(pair, Case(greedy.with_(method="ar")), ids, seed=0)
         assert [t for s in hf for t in s.appended_ids] == [t for s in ar for t in s.appended_ids]
-        sampled, _ = bench.run_case(pair, bench.Case("hf-assisted", greedy.with_(greedy=False)), ids, seed=3)
+        sampled, _ = bench_run.run_case(pair, Case(greedy.with_(greedy=False)), ids, seed=3)
         assert all(t < sizes[0] for s in sampled for t in s.appended_ids)
     assert (pair.draft.config.vocab_size, pair.target.config.vocab_size) == sizes  # restored
     assert pair.draft(input_ids=torch.tensor([[1, 2]])).logits.shape[-1] == sizes[0]  # padding hook removed
@@ -359,9 +365,9 @@ def test_spec_bench_turns_and_limit(tmp_path):
 
 def test_parse_list_and_mean_std():
     assert bench.parse_list("0, 0.1,0.1,1", float, "tau") == [0.0, 0.1, 1.0]
-    assert bench.mean_std([1.0, 2.0, 3.0, None, float("nan")]) == (2.0, 1.0, 3)
-    assert bench.mean_std([4.0]) == (4.0, None, 1)
-    assert bench.mean_std([None]) == (None, None, 0)
+    assert mean_std([1.0, 2.0, 3.0, None, float("nan")]) == (2.0, 1.0, 3)
+    assert mean_std([4.0]) == (4.0, None, 1)
+    assert mean_std([None]) == (None, None, 0)
 
 
 def test_cli_entry_point_runs_in_a_subprocess(tiny_dirs, prompts_file, tmp_path):
@@ -389,6 +395,299 @@ def test_sweep_figures_put_speed_and_perplexity_on_two_axes(sweep_run):
     assert {t.yaxis for t in speed} == {"y"} and {t.yaxis for t in ppl} == {"y2"}
     mtad = [a for a in aggs if a["method"] == "mtad" and a["beams"] == 1]
     line = next(t for t in ppl if t.name.startswith("mtad beams=1"))
-    assert list(line.y) == [a["perplexity_mean"] for a in sorted(mtad, key=lambda a: a["tau"])]
+    assert list(line.y) == [a["perplexity"] for a in sorted(mtad, key=lambda a: a["tau"])]
     assert sweep_figure(aggs, "gamma") is None  # one gamma: not a sweep
     assert len(sweep_figure(aggs, "beams").data) == 4  # beams=1,2 for tau=0 and tau=1
+
+
+# --- the registry --------------------------------------------------------------------------------------------------
+
+
+def test_one_registry_names_every_method_once():
+    from mtad.decoding import DECODERS
+    from mtad.settings import METHODS
+
+    assert tuple(DECODERS) == METHODS  # the CLI, the bench and Settings.validate all read METHODS
+    assert bench.parser().get_default("methods") == ",".join(METHODS)
+    assert [c.method for c in bench_run.build_cases(METHODS, Settings(), [2], [2], [0.5])] == list(METHODS)
+
+
+# --- EOS inside the accepted drafts ----------------------------------------------------------------------------------
+
+
+def test_eos_inside_accepted_drafts_counts_only_the_kept_ones(tiny_pair):
+    """On the tiny pair the draft proposes EOS (id 0) inside a prefix the target accepts: the cut keeps fewer
+    tokens than were accepted, and ``accepted`` (so acceptance) counts only the kept drafts. Greedy SD and
+    transformers' assisted generation keep the same tokens per round, so hf-assisted's counts match SD's."""
+    runs = {}
+    for method, prompt, extra in (
+        ("mtad", "abc def gh", {"tau": 0.0}),  # tau = 0 accepts every prefix the target gives mass to
+        ("sd", "bg gacdhdc", {}),  # greedy: the target's argmax after this prompt is EOS too
+        ("hf-assisted", "bg gacdhdc", {}),
+    ):
+        s = Settings(method=method, greedy=True, gamma=4, max_new_tokens=30, **extra)
+        runs[method] = list(decode(tiny_pair, tiny_pair.encode(prompt), s))
+    for method, steps in runs.items():
+        last = steps[-1]
+        assert last.eos and last.appended_ids[-1] in tiny_pair.eos_ids, method
+        if method != "hf-assisted":  # transformers' draft stops at EOS; ours drafts on and the cut runs
+            assert len(last.appended_ids) < len(last.draft_ids), method  # the rare path ran
+        assert last.appended_ids == last.draft_ids[: len(last.appended_ids)], method
+        assert last.accepted == len(last.appended_ids) and not any(last.from_target), method
+        m = summarize(steps)
+        assert m.accepted == sum(s.accepted for s in steps) <= m.new_tokens
+    sd = [(s.appended_ids, s.accepted) for s in runs["sd"]]
+    assert [(s.appended_ids, s.accepted) for s in runs["hf-assisted"]] == sd
+
+
+# --- hf-assisted ignores the models' own generation settings (issue 11.3) --------------------------------------------
+
+
+def test_hf_assisted_ignores_the_models_generation_config(tiny_dirs, tmp_path):
+    """A target that ships repetition_penalty, no_repeat_ngram_size, min_new_tokens and bad words: greedy
+    hf-assisted must still equal greedy AR (our decoders never read them). Negative control: transformers
+    with the model's own config does decode something else, so the test can fail."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mtad.pair import load
+
+    prompt = "abc de fgh"
+    plain = load(*tiny_dirs, device="cpu")
+    ar_ids = generate(plain, prompt, Settings(method="ar", greedy=True, max_new_tokens=12)).new_ids
+    dirs = []
+    for name, src in (("draft", tiny_dirs[0]), ("target", tiny_dirs[1])):
+        model = AutoModelForCausalLM.from_pretrained(src)
+        gc = model.generation_config
+        gc.repetition_penalty, gc.no_repeat_ngram_size, gc.min_new_tokens = 5.0, 2, 12
+        gc.bad_words_ids = [[ar_ids[0]]]
+        model.save_pretrained(tmp_path / name)
+        AutoTokenizer.from_pretrained(src).save_pretrained(tmp_path / name)
+        dirs.append(str(tmp_path / name))
+    pair = load(*dirs, device="cpu")
+    assert pair.target.generation_config.repetition_penalty == 5.0
+    ids = torch.tensor([pair.encode(prompt)])
+    inherited = pair.target.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                                     assistant_model=pair.draft)[0, ids.shape[1]:].tolist()  # fmt: skip
+    assert inherited != ar_ids  # the negative control: the model's settings change the output
+    for gamma in (1, 3):
+        hf = generate(pair, prompt, Settings(method="hf-assisted", greedy=True, gamma=gamma, max_new_tokens=12))
+        assert hf.new_ids == ar_ids, gamma
+    assert pair.target.generation_config.repetition_penalty == 5.0  # restored after the run
+
+
+# --- pooled figures, energy, failures and the time budget ------------------------------------------------------------
+
+
+class FakeMeter:
+    """An energy meter that reads 0.5 J, 0.75 J, 1.0 J ... for successive windows (a GPU's counter stand-in)."""
+
+    available, source, reason = True, "fake-counter", None
+
+    def __init__(self, device=None):
+        self.windows, self.reading = 0, None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.reading = EnergyReading(0.5 + 0.25 * self.windows, 0.01, self.source, None)
+        self.windows += 1
+
+
+@pytest.fixture(scope="module")
+def fault_run(tiny_dirs, prompts_file, tmp_path_factory):
+    """ar, sd, mtad W=1,2, hf-assisted on 2 prompts x 2 seeds with a fake energy meter and every step saved;
+    the draft raises a real ``torch.OutOfMemoryError`` from a forward hook whenever its batch exceeds 1,
+    so only mtad W=2 (beam batch of 2) fails."""
+    out = tmp_path_factory.mktemp("fault") / "out"
+    real_load = bench.load_pair_from_args
+    oom_calls = []
+
+    def load_with_oom(args):
+        pair = real_load(args)
+
+        def hook(module, args, kwargs):
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            if ids is not None and ids.shape[0] > 1:
+                oom_calls.append(ids.shape)
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (test hook)")
+
+        pair.draft.register_forward_pre_hook(hook, with_kwargs=True)
+        return pair
+
+    argv = [*pair_args(tiny_dirs), "--prompts", prompts_file, "--max-new-tokens", "8", "--seeds", "0,1",
+            "--methods", "ar,sd,mtad,hf-assisted", "--beams", "1,2", "--gamma", "3", "--warmup", "0",
+            "--save-steps", "--no-progress", "--plotlyjs", "cdn", "--out", str(out)]  # fmt: skip
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bench, "load_pair_from_args", load_with_oom)
+        mp.setattr(bench, "EnergyMeter", FakeMeter)
+        code = bench.main(argv)
+    data = json.loads((out / "bench.json").read_text())
+    return {"code": code, "out": out, "data": data, "oom_calls": oom_calls}
+
+
+def test_a_failing_case_is_recorded_and_the_others_are_kept(fault_run):
+    data, out = fault_run["data"], fault_run["out"]
+    assert fault_run["oom_calls"] and fault_run["code"] == 1  # the hook fired; exit 1 says a case failed
+    failed = "mtad γ=3 W=2 τ=0.1"
+    assert data["failures"] == [{"case": failed, "error": "OutOfMemoryError: CUDA out of memory. Tried to allocate "
+                                 "2.00 GiB (test hook)"}]  # fmt: skip
+    rows = {a["case"]: a for a in data["aggregates"]}
+    assert list(rows) == ["ar", "sd γ=3", "mtad γ=3 W=1 τ=0.1", failed, "hf-assisted γ=3"]
+    assert rows[failed]["runs"] == 0 and rows[failed]["error"].startswith("OutOfMemoryError")
+    for case, row in rows.items():
+        if case != failed:
+            assert row["runs"] == 4 and row["error"] is None and row["tokens_per_second"] > 0
+    assert {r["case"] for r in data["runs"]} == set(rows) - {failed}
+    table = (out / "table.txt").read_text()
+    assert f"{failed} failed after 0 run(s): OutOfMemoryError: CUDA out of memory" in table
+    summary = read_csv(out / "summary.csv")[1]
+    assert next(r for r in summary if r["case"] == failed)["error"].startswith("OutOfMemoryError")
+
+
+def test_pooled_perplexity_is_exp_mean_nll_over_the_saved_steps(fault_run):
+    """The row's perplexity is exp(mean NLL over all new tokens of its runs), recomputed here from the saved
+    Step traces; it differs from the mean of per-run perplexities (the token-weighted mean is never lower)."""
+    data = fault_run["data"]
+    assert len(data["steps"]) == len(data["runs"])
+    by_case = {}
+    for rec, steps in zip(data["runs"], data["steps"], strict=True):
+        assert [t for s in steps for t in s["appended_ids"]] == rec["new_ids"]
+        by_case.setdefault(rec["case"], []).append((rec, steps))
+    differs = 0
+    for row in data["aggregates"]:
+        runs = by_case.get(row["case"], [])
+        if not runs:
+            continue
+        lps = [lp for _, steps in runs for s in steps for lp in s["target_logprobs"]]
+        assert row["perplexity"] == pytest.approx(math.exp(-sum(lps) / len(lps)), rel=1e-12)
+        assert row["perplexity_common"] == pytest.approx(row["perplexity"], rel=1e-12)  # every row finished all
+        tokens = sum(len(lp) for lp in ([lp for s in steps for lp in s["target_logprobs"]] for _, steps in runs))
+        seconds = sum(s["seconds"] for _, steps in runs for s in steps)
+        assert row["tokens_per_second"] == pytest.approx(tokens / seconds, rel=1e-9)
+        mean_ppl = sum(r["perplexity"] for r, _ in runs) / len(runs)
+        assert row["perplexity_mean"] == pytest.approx(mean_ppl)
+        weighted = sum(r["perplexity"] * r["new_tokens"] for r, _ in runs) / tokens
+        assert weighted >= row["perplexity"] * (1 - 1e-12)  # Jensen: exp of a mean <= the mean of exps
+        differs += abs(mean_ppl - row["perplexity"]) > 1e-6 * row["perplexity"]
+    assert differs  # pooled and per-run means are really different figures here
+
+
+def test_fake_meter_joules_reach_records_csv_and_table(fault_run):
+    data, out = fault_run["data"], fault_run["out"]
+    runs = data["runs"]
+    # every measured run (no warm-ups here) opened one window, in order; the failed case's first run too
+    joules = [r["joules"] for r in runs]
+    assert joules == sorted(joules) and len(set(joules)) == len(joules)
+    for rec in runs:
+        assert rec["energy_source"] == "fake-counter"
+        assert rec["joules_per_token"] == pytest.approx(rec["joules"] / rec["new_tokens"])
+    _, csv_rows = read_csv(out / "runs.csv")
+    assert [float(r["joules"]) for r in csv_rows] == joules
+    table = (out / "table.txt").read_text().splitlines()
+    for row in data["aggregates"]:
+        rs = [r for r in runs if r["case"] == row["case"]]
+        if not rs:
+            assert row["joules_per_token"] is None
+            continue
+        pooled = sum(r["joules"] for r in rs) / sum(r["new_tokens"] for r in rs)
+        assert row["joules_per_token"] == pytest.approx(pooled, rel=1e-12)
+        line = next(line for line in table if line.startswith(row["method"] + " ") and f" {row['runs']}" in line)
+        assert bench_report.fmt(pooled) in line.split()
+    assert "J/token n/a" not in "\n".join(table)
+
+
+def test_time_budget_stops_each_row_and_compares_perplexity_over_common_prompts(tiny_dirs, tmp_path):
+    prompts = tmp_path / "three.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("abc de", "fgh a", "bad cafe")))
+    out = tmp_path / "out"
+    code = bench.main([*pair_args(tiny_dirs), "--prompts", str(prompts), "--max-new-tokens", "6", "--methods",
+                       "ar,sd", "--warmup", "0", "--time-budget", "1e-9", "--no-progress", "--out", str(out)])  # fmt: skip
+    data = json.loads((out / "bench.json").read_text())
+    assert code == 0 and data["config"]["time_budget_seconds"] == 1e-9
+    assert [(r["case"], r["prompt_index"]) for r in data["runs"]] == [("ar", 0), ("sd γ=4", 0)]  # then out of time
+    for row in data["aggregates"]:
+        assert row["budget_stopped"] and row["runs"] == 1 and row["common_prompts"] == 1
+        (rec,) = [r for r in data["runs"] if r["case"] == row["case"]]
+        assert row["perplexity_common"] == pytest.approx(rec["perplexity"])
+    assert "ran out of its time budget after 1 run(s)" in (out / "table.txt").read_text()
+
+
+def test_common_prompts_leave_out_a_prompt_one_row_did_not_finish():
+    from mtad.bench_aggregate import aggregate
+
+    def rec(case, index, nll, tokens):
+        m = dict.fromkeys(Metrics.__dataclass_fields__, 0.0)
+        m.update(new_tokens=tokens, nll_sum=nll, seconds=1.0, target_calls=tokens, acceptance=None,
+                 joules=None, joules_per_token=None, energy_note=None, perplexity=math.exp(nll / tokens))  # fmt: skip
+        return {"case": case, "method": case, "prompt_index": index, "energy_source": "x", **m}
+
+    records = [rec("a", 0, 1.0, 2), rec("a", 1, 8.0, 2), rec("b", 0, 3.0, 3)]
+    rows = {r["case"]: r for r in aggregate(records)}
+    assert rows["a"]["common_prompts"] == 1 and rows["b"]["common_prompts"] == 1
+    assert rows["a"]["perplexity"] == pytest.approx(math.exp(9.0 / 4))
+    assert rows["a"]["perplexity_common"] == pytest.approx(math.exp(1.0 / 2))
+    assert rows["b"]["perplexity_common"] == pytest.approx(math.exp(3.0 / 3))
+
+
+# --- one home: prompt files and greedy SD are read and run by the library ------------------------------------------
+
+
+def test_the_pages_examples_read_spec_bench_turns(tmp_path):
+    from mtad.pair import Preset
+    from mtad.ui.inputs import example_prompts
+
+    f = tmp_path / "question.jsonl"
+    f.write_text('{"question_id": 81, "category": "writing", "turns": ["Compose a blog post", "Rewrite it"]}\n')
+    assert example_prompts(Preset("x", "d", "t", "desc", prompts=str(f))) == [
+        ("[writing] Compose a blog post", "Compose a blog post")
+    ]
+
+
+def test_train_pair_greedy_sd_figure_is_the_engines(tiny_dirs, tmp_path):
+    """``simulate_greedy_sd`` runs the engine; checked here against the teacher-forced count: greedy SD's
+    output is the target's greedy continuation g, and each target call keeps the draft's run of argmax
+    matches along g (at most gamma) plus one token of its own. The tiny draft rarely agrees with its
+    target, so a second pair drafts with a copy of the target, which agrees everywhere (long runs)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mtad.train_pair import simulate_greedy_sd
+
+    prompts_file = tmp_path / "p.jsonl"
+    prompts_file.write_text(
+        "".join(json.dumps({"prompt": p}) + "\n" for p in ("abc def gh", "bg gacdhdc", "bggca c cb"))
+    )
+    same = tmp_path / "same"
+    for name in ("draft", "target"):
+        AutoModelForCausalLM.from_pretrained(tiny_dirs[1]).save_pretrained(same / name)
+        AutoTokenizer.from_pretrained(tiny_dirs[1]).save_pretrained(same / name)
+    for out, draft_dir in ((Path(tiny_dirs[0]).parent, tiny_dirs[0]), (same, tiny_dirs[1])):
+        res = simulate_greedy_sd(out, prompts_file, gamma=3, max_new_tokens=40, log=lambda _: None)
+        tokens, calls = teacher_forced_greedy_sd(draft_dir, tiny_dirs[1], prompts_file, gamma=3, max_new_tokens=40)
+        assert res["prompts"] == 3 and res["generated_tokens"] == tokens
+        assert res["aggregate_tokens_per_target_call"] == pytest.approx(tokens / calls)
+    assert calls < tokens / 2  # with the twin draft, runs of accepted drafts did happen
+
+
+def teacher_forced_greedy_sd(draft_dir, target_dir, prompts_file, gamma, max_new_tokens):
+    """(tokens, target calls) of greedy SD from one teacher-forced draft pass over the target's greedy output."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    draft, target = (AutoModelForCausalLM.from_pretrained(d).eval() for d in (draft_dir, target_dir))
+    tokens = calls = 0
+    for text in read_prompts(prompts_file):
+        ids = torch.tensor([tok.encode(text.text)])
+        with torch.inference_mode():
+            full = target.generate(ids, do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0, eos_token_id=0)
+            g = full[0, ids.shape[1] :]
+            match = (draft(input_ids=full[:, :-1]).logits[0, ids.shape[1] - 1 :].argmax(-1) == g).tolist()
+        pos = 0
+        while pos < len(g):
+            run = 0
+            while run < gamma and pos + run < len(g) - 1 and match[pos + run]:
+                run += 1
+            pos += run + 1
+            calls += 1
+        tokens += len(g)
+    return tokens, calls

@@ -1,11 +1,17 @@
-"""Decoders: each turns (pair, prompt ids, settings) into a stream of ``Step`` events."""
+"""Decoders: each turns (pair, prompt ids, settings) into a stream of ``Step`` events.
+
+``DECODERS`` is the one registry of methods: the CLI, the bench and the app all run a method through
+:func:`decode`, and adding a decoder is one entry here (``mtad.settings.METHODS`` must list the same names).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from mtad.decoding.autoregressive import ar_step
 from mtad.decoding.bild import bild_step
+from mtad.decoding.hf_assisted import assisted_decode
 from mtad.decoding.mtad import mtad_step
 from mtad.decoding.mtad_tree import mtad_tree_step
 from mtad.decoding.rules import mtad_accept_length, mtad_passes
@@ -14,18 +20,50 @@ from mtad.decoding.spectr import spectr_step
 from mtad.decoding.speculative import sd_step
 from mtad.decoding.state import DecodeState
 from mtad.events import Run, Step
+from mtad.pair import ModelPair
 from mtad.settings import Settings
 
-STEPS: dict[str, Callable[[DecodeState], Step]] = {"ar": ar_step, "sd": sd_step, "mtad": mtad_step}
-STEPS["mtad-tree"] = mtad_tree_step
-STEPS["bild"] = bild_step
-STEPS["spectr"] = spectr_step
-STEPS["specinfer"] = specinfer_step
-
-__all__ = ["decode", "encode_prompt", "generate", "mtad_accept_length", "mtad_passes"]
+Decoder = Callable[[ModelPair, list[int], Settings], Iterator[Step]]
+"""The one decoder signature: (pair, prompt ids, validated settings) -> Steps until the budget or EOS."""
 
 
-def check_fits(pair, n_prompt: int, settings: Settings) -> None:  # noqa: ANN001
+def stepwise(step_fn: Callable[[DecodeState], Step]) -> Decoder:
+    """A decoder from a one-iteration function on the shared ``DecodeState`` (ar, sd, mtad ...)."""
+
+    def run(pair: ModelPair, prompt_ids: list[int], settings: Settings) -> Iterator[Step]:
+        st = DecodeState.start(pair, prompt_ids, settings)
+        while st.remaining > 0:
+            step = step_fn(st)
+            yield step
+            if step.eos:
+                return
+
+    return run
+
+
+@dataclass(frozen=True)
+class Method:
+    """A registered decoder and the settings it depends on (the bench sweeps and reports only these)."""
+
+    run: Decoder
+    uses: tuple[str, ...] = ()
+
+
+DECODERS: dict[str, Method] = {
+    "ar": Method(stepwise(ar_step)),
+    "sd": Method(stepwise(sd_step), ("gamma",)),
+    "mtad": Method(stepwise(mtad_step), ("gamma", "beams", "tau", "draft_mode")),
+    "mtad-tree": Method(stepwise(mtad_tree_step), ("gamma", "beams", "tau", "draft_mode")),
+    "bild": Method(stepwise(bild_step), ("gamma", "tau1", "tau2")),
+    "spectr": Method(stepwise(spectr_step), ("gamma", "num_drafts")),
+    "specinfer": Method(stepwise(specinfer_step), ("gamma", "num_drafts")),
+    "hf-assisted": Method(assisted_decode, ("gamma",)),
+}
+
+__all__ = ["DECODERS", "Method", "decode", "encode_prompt", "generate", "mtad_accept_length", "mtad_passes"]
+
+
+def check_fits(pair: ModelPair, n_prompt: int, settings: Settings) -> None:
     """Refuse a prompt + budget that runs past the models' context length."""
     limit = pair.context_length(settings.method != "ar")
     if n_prompt + settings.max_new_tokens > limit:
@@ -35,7 +73,7 @@ def check_fits(pair, n_prompt: int, settings: Settings) -> None:  # noqa: ANN001
         )
 
 
-def encode_prompt(pair, prompt: str, settings: Settings, raw: bool = False) -> list[int]:  # noqa: ANN001
+def encode_prompt(pair: ModelPair, prompt: str, settings: Settings, raw: bool = False) -> list[int]:
     """Tokenise a prompt (one user turn of a chat pair's template unless ``raw``) after checking
     it is non-empty and fits the context."""
     if not isinstance(prompt, str) or not prompt.strip():
@@ -47,22 +85,16 @@ def encode_prompt(pair, prompt: str, settings: Settings, raw: bool = False) -> l
     return ids
 
 
-def decode(pair, prompt_ids: list[int], settings: Settings) -> Iterator[Step]:  # noqa: ANN001
+def decode(pair: ModelPair, prompt_ids: list[int], settings: Settings) -> Iterator[Step]:
     """Yield one ``Step`` per iteration until ``max_new_tokens`` or EOS; never exceeds the budget."""
     settings.validate()
     if not prompt_ids:
         raise ValueError("the prompt has no tokens")
     check_fits(pair, len(prompt_ids), settings)
-    st = DecodeState.start(pair, prompt_ids, settings)
-    step_fn = STEPS[settings.method]
-    while st.remaining > 0:
-        step = step_fn(st)
-        yield step
-        if step.eos:
-            return
+    return DECODERS[settings.method].run(pair, prompt_ids, settings)
 
 
-def generate(pair, prompt: str, settings: Settings, raw: bool = False) -> Run:  # noqa: ANN001
+def generate(pair: ModelPair, prompt: str, settings: Settings, raw: bool = False) -> Run:
     """Decode a whole prompt into a ``Run`` (steps + text); the CLI and tests use this."""
     settings.validate()
     ids = encode_prompt(pair, prompt, settings, raw)

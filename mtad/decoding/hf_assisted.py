@@ -6,16 +6,18 @@ The baseline a user would otherwise pick: each verification round becomes a ``St
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
+from transformers import GenerationConfig
+from transformers.utils import logging as hf_logging
 
+from mtad.decoding.state import PhaseTimer
 from mtad.events import Step
 from mtad.pair import ModelPair
 from mtad.settings import Settings
-
-HF_DRAFT_OPTIONS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
 
 
 @dataclass
@@ -29,6 +31,8 @@ class AssistRound:
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
     seconds: float = 0.0
+    draft_spans: list[tuple] = field(default_factory=list)
+    target_spans: list[tuple] = field(default_factory=list)
 
 
 class AssistTracer:
@@ -36,15 +40,15 @@ class AssistTracer:
 
     The draft proposes one token per forward, so a round's draft calls are its candidates, which
     are the last tokens of the target's verification input; the streamer receives each round's
-    kept tokens. Forwards are timed with the engine's synchronised clock.
+    kept tokens (transformers copies them to the host: the round's one sync). Forwards are timed
+    with the engine's ``PhaseTimer``, read when generation has ended, so timing adds no sync.
     """
 
     def __init__(self, pair: ModelPair) -> None:
-        from mtad.decoding.state import Clock
-
-        self.clock = Clock(pair.device)
+        self.timer = PhaseTimer(pair.device)
+        self.device = pair.device
         self.rounds = [AssistRound()]
-        self._t = 0.0
+        self._t: object = None
         self._round_start = 0.0
         self._hooks = [
             pair.draft.register_forward_pre_hook(self._draft_pre),
@@ -55,24 +59,30 @@ class AssistTracer:
 
     def begin(self) -> None:
         """Start the clock of the first round."""
-        self._round_start = self.clock.now()
+        self._round_start = time.perf_counter()
 
     def close(self) -> None:
-        """Remove the hooks; bill the time after the last round to it; drop an empty trailing round."""
+        """Remove the hooks; bill the time after the last round to it; drop an empty trailing round;
+        read every forward's seconds (one sync on CUDA, after generation)."""
         for h in self._hooks:
             h.remove()
-        end = self.clock.now()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        end = time.perf_counter()
         if len(self.rounds) > 1 and not self.rounds[-1].target_calls:
             self.rounds.pop()
         self.rounds[-1].seconds += end - self._round_start
+        for r in self.rounds:
+            r.draft_seconds = self.timer.seconds(r.draft_spans)
+            r.target_seconds = self.timer.seconds(r.target_spans)
 
     def _draft_pre(self, module: torch.nn.Module, args: tuple) -> None:
-        self._t = self.clock.now()
+        self._t = self.timer.mark()
 
     def _draft_post(self, module: torch.nn.Module, args: tuple, output: object) -> None:
         r = self.rounds[-1]
         r.draft_calls += 1
-        r.draft_seconds += self.clock.now() - self._t
+        r.draft_spans.append((self._t, self.timer.mark()))
 
     def _target_pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         r = self.rounds[-1]
@@ -80,12 +90,12 @@ class AssistTracer:
         n = r.draft_calls
         if ids is not None and n:
             r.candidates = ids[0, -n:].clone()  # no host sync here: read after generation
-        self._t = self.clock.now()
+        self._t = self.timer.mark()
 
     def _target_post(self, module: torch.nn.Module, args: tuple, output: object) -> None:
         r = self.rounds[-1]
         r.target_calls += 1
-        r.target_seconds += self.clock.now() - self._t
+        r.target_spans.append((self._t, self.timer.mark()))
 
     # the streamer interface of generate(): the prompt first, then each round's kept tokens
     def put(self, value: torch.Tensor) -> None:
@@ -94,7 +104,7 @@ class AssistTracer:
         if not r.target_calls:
             return
         r.appended = [int(t) for t in value.reshape(-1).tolist()]
-        now = self.clock.now()
+        now = time.perf_counter()
         r.seconds = now - self._round_start
         self._round_start = now
         self.rounds.append(AssistRound())
@@ -105,10 +115,22 @@ class AssistTracer:
 
 @dataclass
 class AssistTrace:
-    """What ``assisted_generate`` saw: the rounds and the whole output after the prompt."""
+    """What ``assisted_generate`` saw: the rounds, the output after the prompt and the target's unwarped
+    T=1 log-probabilities of it."""
 
     rounds: list[AssistRound]
     new_ids: list[int]
+    target_logprobs: list[float]
+
+
+def kept_drafts(drafts: list[int], appended: list[int]) -> int:
+    """Draft tokens among a round's kept tokens: their common prefix. A token the target chose there
+    differs from the draft (greedy: a match would have been accepted; sampling: the residual
+    max(0, p - q) is 0 at a rejected draft), and an EOS cut keeps only the drafts up to it."""
+    n = 0
+    while n < min(len(drafts), len(appended)) and drafts[n] == appended[n]:
+        n += 1
+    return n
 
 
 def _logits_width(model: torch.nn.Module) -> int:
@@ -152,38 +174,60 @@ class VocabBridge:
             cfg.vocab_size = size
 
 
-def assisted_generate(pair: ModelPair, prompt_ids: list[int], settings: Settings) -> AssistTrace:
-    """transformers' own assisted generation on the pair: ``target.generate(assistant_model=draft)``.
+def generation_config(pair: ModelPair, settings: Settings, draft: bool = False) -> GenerationConfig:
+    """A fresh config that sets every field that changes the output distribution, so nothing is inherited
+    from the models' own ``generation_config`` (transformers fills every unset field from it: a target that
+    ships ``repetition_penalty`` would otherwise decode a different distribution than our decoders).
 
-    The draft drafts exactly gamma tokens per round (constant schedule, no confidence early stop,
-    options set on the draft's ``generation_config`` where transformers 5 reads them, restored after).
-    Sampling follows the run's settings (temperature, top-k, top-p; greedy = no sampling) and
-    nothing else from the models' own generation configs (no repetition penalty, no min length).
-    """
-    from transformers import GenerationConfig
-    from transformers.utils import logging as hf_logging
-
-    gc = pair.draft.generation_config
-    saved = {k: getattr(gc, k, None) for k in HF_DRAFT_OPTIONS}
-    gc.num_assistant_tokens = settings.gamma
-    gc.num_assistant_tokens_schedule = "constant"
-    gc.assistant_confidence_threshold = 0.0
+    The draft's (``draft=True``) also fixes its drafting: exactly gamma tokens per round (constant
+    schedule, no confidence early stop), where transformers 5 reads those options."""
     eos = sorted(pair.eos_ids)
     pad = pair.tokenizer.pad_token_id if pair.tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
-    sampling = (
-        {}
-        if settings.is_greedy
-        else {"temperature": settings.temperature, "top_k": settings.top_k, "top_p": settings.top_p}
-    )
+    greedy = settings.is_greedy
     extra = padding_ids(pair)
     config = GenerationConfig(
-        do_sample=not settings.is_greedy,
+        do_sample=not greedy,
+        temperature=None if greedy else settings.temperature,  # greedy: no warper runs, none to set
+        top_k=None if greedy else settings.top_k,
+        top_p=None if greedy else settings.top_p,
         max_new_tokens=settings.max_new_tokens,
+        min_length=0,
+        min_new_tokens=0,
+        num_beams=1,
+        num_return_sequences=1,
+        typical_p=1.0,
+        epsilon_cutoff=0.0,
+        eta_cutoff=0.0,
+        repetition_penalty=1.0,
+        encoder_repetition_penalty=1.0,
+        no_repeat_ngram_size=0,
+        encoder_no_repeat_ngram_size=0,
+        length_penalty=1.0,
+        renormalize_logits=False,
+        remove_invalid_values=False,
         eos_token_id=eos or None,
         pad_token_id=pad,
         suppress_tokens=extra or None,
-        **sampling,
+        output_logits=True,
+        return_dict_in_generate=True,
     )
+    if draft:
+        config.num_assistant_tokens = settings.gamma
+        config.num_assistant_tokens_schedule = "constant"
+        config.assistant_confidence_threshold = 0.0
+    return config
+
+
+def assisted_generate(pair: ModelPair, prompt_ids: list[int], settings: Settings) -> AssistTrace:
+    """transformers' own assisted generation on the pair: ``target.generate(assistant_model=draft)``.
+
+    Both models' ``generation_config`` are replaced by :func:`generation_config` for the call (and
+    restored after), so the run follows our settings and nothing else; the target's raw logits of the
+    kept tokens come back with the output (``output_logits``), so perplexity needs no extra forward.
+    """
+    saved = (pair.target.generation_config, pair.draft.generation_config)
+    pair.target.generation_config = generation_config(pair, settings)
+    pair.draft.generation_config = generation_config(pair, settings, draft=True)
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=pair.device)
     torch.manual_seed(settings.seed)
     if pair.device.type == "cuda":
@@ -191,14 +235,14 @@ def assisted_generate(pair: ModelPair, prompt_ids: list[int], settings: Settings
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     tracer = AssistTracer(pair)
-    bridge = VocabBridge(pair) if extra else None
+    bridge = VocabBridge(pair) if padding_ids(pair) else None
     try:
         tracer.begin()
         out = pair.target.generate(
             ids,
             attention_mask=torch.ones_like(ids),
             assistant_model=pair.draft,
-            generation_config=config,
+            generation_config=pair.target.generation_config,
             streamer=tracer,
         )
     finally:
@@ -206,39 +250,29 @@ def assisted_generate(pair: ModelPair, prompt_ids: list[int], settings: Settings
         if bridge is not None:
             bridge.close()
         hf_logging.set_verbosity(verbosity)
-        for k, v in saved.items():
-            setattr(gc, k, v)
-    return AssistTrace(rounds=tracer.rounds, new_ids=[int(t) for t in out[0, len(prompt_ids) :].tolist()])
+        pair.target.generation_config, pair.draft.generation_config = saved
+    new = out.sequences[0, len(prompt_ids) :]
+    lps = []
+    if new.numel():
+        logits = torch.cat(out.logits, dim=0)[:, : pair.vocab_size].float()
+        lps = torch.log_softmax(logits, dim=-1).gather(-1, new[:, None])[:, 0].tolist()
+    return AssistTrace(rounds=tracer.rounds, new_ids=[int(t) for t in new.tolist()], target_logprobs=lps)
 
 
-@torch.inference_mode()
-def target_logprobs(pair: ModelPair, prompt_ids: list[int], new_ids: list[int]) -> list[float]:
-    """The target's unwarped T=1 log-probabilities of ``new_ids`` after the prompt, in ONE forward."""
-    if not new_ids:
-        return []
-    ids = torch.tensor([prompt_ids + new_ids], dtype=torch.long, device=pair.device)
-    n = len(prompt_ids)
-    logits = pair.target(input_ids=ids).logits[0, n - 1 : -1, : pair.vocab_size].float()
-    return torch.log_softmax(logits, dim=-1).gather(-1, ids[0, n:, None])[:, 0].tolist()
+def assisted_decode(pair: ModelPair, prompt_ids: list[int], settings: Settings) -> Iterator[Step]:
+    """The registry's decoder for ``hf-assisted``: the whole generation, then its rounds as Steps."""
+    yield from assisted_steps(pair, assisted_generate(pair, prompt_ids, settings))
 
 
-def assisted_steps(pair: ModelPair, prompt_ids: list[int], trace: AssistTrace) -> list[Step]:
-    """One Step per round (drafts, accepted count, kept tokens, calls, seconds), with the target's
-    log-probabilities from one extra, untimed forward, so ``summarize`` reads it like any decoder."""
-    lps = target_logprobs(pair, prompt_ids, trace.new_ids)
-    rounds = trace.rounds
-    if [t for r in rounds for t in r.appended] != trace.new_ids:  # the streamer missed rounds: one lump step
-        cands = [r.candidates for r in rounds if r.candidates is not None]
-        lump = AssistRound(appended=trace.new_ids, candidates=torch.cat(cands) if cands else None)
-        for r in rounds:
-            for k in ("draft_calls", "target_calls", "draft_seconds", "target_seconds", "seconds"):
-                setattr(lump, k, getattr(lump, k) + getattr(r, k))
-        rounds = [lump]
+def assisted_steps(pair: ModelPair, trace: AssistTrace) -> list[Step]:
+    """One Step per round (drafts, accepted count, kept tokens, calls, seconds, the target's
+    log-probabilities), so ``summarize`` reads it like any decoder."""
+    lps = trace.target_logprobs
     steps, pos = [], 0
-    for i, r in enumerate(rounds):
+    for i, r in enumerate(trace.rounds):
         drafts = [] if r.candidates is None else [int(t) for t in r.candidates.tolist()]
         n = len(r.appended)
-        accepted = min(max(n - r.target_calls, 0), len(drafts)) if len(rounds) == 1 else max(n - 1, 0)
+        accepted = kept_drafts(drafts, r.appended)
         steps.append(
             Step(
                 index=i,

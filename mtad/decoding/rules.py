@@ -16,8 +16,17 @@ def mtad_passes(log_p: Sequence[float], log_q: Sequence[float], tau: float) -> l
     """
     if tau >= 1.0:
         return [False] * len(log_p)
-    log_tau = math.log(tau) if tau > 0 else -math.inf
-    return [lp - lq > log_tau if math.isfinite(lp) else False for lp, lq in zip(log_p, log_q, strict=True)]
+    return [d > log_tau(tau) for d in log_ratios(log_p, log_q)]
+
+
+def log_tau(tau: float) -> float:
+    """log τ, the rule's threshold in log space: −inf at τ = 0 and 0 at τ >= 1 (where nothing passes)."""
+    return math.log(tau) if 0 < tau < 1 else (0.0 if tau >= 1 else -math.inf)
+
+
+def log_ratios(log_p: Sequence[float], log_q: Sequence[float]) -> list[float]:
+    """log p_j − log q_j per prefix: what the rule compares with log τ (−inf where p_j = 0)."""
+    return [lp - lq if math.isfinite(lp) else -math.inf for lp, lq in zip(log_p, log_q, strict=True)]
 
 
 def mtad_accept_length(log_p: Sequence[float], log_q: Sequence[float], tau: float) -> int:
@@ -31,9 +40,8 @@ def mtad_accept_length_t(joint_p: torch.Tensor, joint_q: torch.Tensor, tau: floa
     g = joint_p.numel()
     if tau >= 1.0 or g == 0:
         return torch.zeros((), dtype=torch.long, device=joint_p.device)
-    log_tau = math.log(tau) if tau > 0 else -math.inf
     # float64, like the host twin, so re-judging the recorded joints gives the same answer.
-    ok = (joint_p.double() - joint_q.double() > log_tau) & torch.isfinite(joint_p)
+    ok = (joint_p.double() - joint_q.double() > log_tau(tau)) & torch.isfinite(joint_p)
     lengths = torch.arange(1, g + 1, device=joint_p.device)
     return (ok.long() * lengths).max()
 

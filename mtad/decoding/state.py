@@ -1,4 +1,4 @@
-"""Shared machinery of every decoder: KV-cached models, the token buffer, the clock."""
+"""Shared machinery of every decoder: KV-cached models, the token buffer, the phase timer."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 from transformers import DynamicCache
 
 from mtad.events import Step
+from mtad.pair import ModelPair
 from mtad.sampling import log_probs, make_generator
 from mtad.settings import Settings
 
@@ -44,17 +45,29 @@ class CachedLM:
             self.cache.crop(-extra)
 
 
-class Clock:
-    """Wall time with the device synchronised, so CUDA work is billed to the phase that ran it."""
+class PhaseTimer:
+    """Seconds in draft and target forwards, timed without stalling the device.
+
+    CPU: ``perf_counter`` marks. CUDA: timing events recorded on the stream around each forward (no host
+    sync), read only after the iteration's one host sync (``to_host``), when they have completed. An
+    iteration's wall time is ``perf_counter`` from ``begin`` to its end, which comes after that sync."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        self.device = device
 
-    def now(self) -> float:
+    def mark(self) -> torch.cuda.Event | float:
+        """A point in time: an event recorded on the current stream (CUDA), else ``perf_counter``."""
         if self.cuda:
-            torch.cuda.synchronize(self.device)
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
         return time.perf_counter()
+
+    def seconds(self, spans: list[tuple]) -> float:
+        """Total seconds of (start, end) mark pairs; on CUDA, only once the work they enclose has run."""
+        if self.cuda:
+            return sum(start.elapsed_time(end) for start, end in spans) / 1000.0
+        return sum(end - start for start, end in spans)
 
 
 @dataclass
@@ -69,13 +82,16 @@ class DecodeState:
     device: torch.device
     eos_ids: frozenset[int]
     generator: torch.Generator
-    clock: Clock
+    timer: PhaseTimer
     steps_done: int = 0
-    draft_seconds: float = field(default=0.0)
-    target_seconds: float = field(default=0.0)
+    started: float = field(default_factory=time.perf_counter)
+    spans: dict[str, list[tuple]] = field(default_factory=lambda: {"draft": [], "target": []})
 
     @classmethod
-    def start(cls, pair, prompt_ids: list[int], settings: Settings) -> DecodeState:  # noqa: ANN001
+    def start(cls, pair: ModelPair, prompt_ids: list[int], settings: Settings) -> DecodeState:
+        """Fresh caches, buffer, generator and timer for one generation (set-up time is billed to the first
+        iteration, so a run's seconds cover all of its work)."""
+        started = time.perf_counter()
         needs_draft = settings.method != "ar"
         return cls(
             settings=settings,
@@ -86,7 +102,8 @@ class DecodeState:
             device=pair.device,
             eos_ids=pair.eos_ids,
             generator=make_generator(pair.device, settings.seed),
-            clock=Clock(pair.device),
+            timer=PhaseTimer(pair.device),
+            started=started,
         )
 
     @property
@@ -111,16 +128,16 @@ class DecodeState:
         g = 0 if draft is None else draft.numel()
         if g:
             tokens = torch.cat([tokens, draft.view(1, -1)], dim=1)
-        t0 = self.clock.now()
+        t0 = self.timer.mark()
         logits = self.target.feed(tokens, keep=g + 1)[0]
-        self.target_seconds += self.clock.now() - t0
+        self.spans["target"].append((t0, self.timer.mark()))
         return logits
 
     def run_draft(self, tokens: torch.Tensor) -> torch.Tensor:
         """One draft forward over ``tokens`` [B, n]; the last position's logits [B, V]."""
-        t0 = self.clock.now()
+        t0 = self.timer.mark()
         logits = self.draft.feed(tokens, keep=1)[:, -1]
-        self.draft_seconds += self.clock.now() - t0
+        self.spans["draft"].append((t0, self.timer.mark()))
         return logits
 
     def judged(self, logits: torch.Tensor) -> torch.Tensor:
@@ -141,24 +158,26 @@ class DecodeState:
         return appended
 
     def begin(self) -> float:
-        """Start an iteration's clock and its per-phase counters."""
-        self.draft_seconds = self.target_seconds = 0.0
-        return self.clock.now()
+        """Start an iteration's wall clock and its per-phase spans."""
+        self.spans = {"draft": [], "target": []}
+        return self.started if self.steps_done == 0 else time.perf_counter()
 
     def finish(self, t0: float, step: Step, proposed: list[int], accepted_in_cache: int) -> Step:
         """Commit ``proposed`` (accepted drafts + target token), trim the trace to what was kept
         after an EOS cut, and stamp the step's index, method and phase times."""
         kept = self.commit(proposed, accepted_in_cache)
         step.appended_ids = kept
+        step.accepted = min(step.accepted, len(kept))  # an EOS inside the accepted drafts ends the kept ones
         step.from_target = step.from_target[: len(kept)]
         step.target_logprobs = step.target_logprobs[: len(kept)]
         step.eos = kept[-1] in self.eos_ids
         step.index = self.steps_done
         step.method = self.settings.method
         step.target_calls = 1
-        step.draft_seconds = self.draft_seconds
-        step.target_seconds = self.target_seconds
-        step.other_seconds = self.clock.now() - t0 - self.draft_seconds - self.target_seconds
+        wall = time.perf_counter() - t0  # after the iteration's host sync, so the device work is done
+        step.draft_seconds = self.timer.seconds(self.spans["draft"])
+        step.target_seconds = self.timer.seconds(self.spans["target"])
+        step.other_seconds = wall - step.draft_seconds - step.target_seconds
         self.steps_done += 1
         return step
 

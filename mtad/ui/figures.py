@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import plotly.graph_objects as go
+from plotly.subplots import make_subplots
 
+from mtad.energy import trapezoid_joules
 from mtad.ui.record import LaneRecord
 
 COLOURS = {"sd": "#2563eb", "mtad": "#ea580c", "ar": "#6b7280", "mtad-tree": "#b45309"}
@@ -68,18 +70,9 @@ def accepted_per_iteration(lanes: list[LaneRecord]) -> go.Figure:
 
 
 def cumulative_joules(lane: LaneRecord) -> list[float]:
-    """Joules at the end of each step, integrating the power samples over the lane's wall clock."""
+    """Joules at the end of each step: ``mtad.energy.trapezoid_joules`` over the power samples up to it."""
     samples = sorted(lane.energy.samples)
-    out, joules, k = [], 0.0, 0
-    prev_t, prev_w = samples[0] if samples else (0.0, 0.0)
-    for end in lane.wall_ends:
-        while k < len(samples) and samples[k][0] <= end:
-            t, w = samples[k]
-            joules += (t - prev_t) * (w + prev_w) / 2
-            prev_t, prev_w = t, w
-            k += 1
-        out.append(joules)
-    return out
+    return [trapezoid_joules([s for s in samples if s[0] <= end]) or 0.0 for end in lane.wall_ends]
 
 
 def energy_figure(lanes: list[LaneRecord]) -> go.Figure | None:
@@ -87,8 +80,6 @@ def energy_figure(lanes: list[LaneRecord]) -> go.Figure | None:
     metered = [lane for lane in lanes if lane.energy.available and lane.energy.samples]
     if not metered:
         return None
-    from plotly.subplots import make_subplots
-
     fig = make_subplots(rows=1, cols=2, subplot_titles=("Power (W) vs seconds", "Joules vs tokens (slope = J/token)"))
     for lane in metered:
         colour = COLOURS.get(lane.method)

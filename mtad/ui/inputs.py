@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
 from mtad.pair import Preset
+from mtad.prompts import PromptFileError, read_prompts
 from mtad.settings import Settings
 
 TAU_RANGE = (0.0, 1.0)
@@ -84,27 +83,17 @@ def parse_settings(
 
 
 def example_prompts(preset: Preset | None, limit: int = 40) -> list[tuple[str, str]]:
-    """(label, prompt) pairs from the preset's JSONL prompt set; [] when there is none or it is unreadable."""
+    """(label, prompt) pairs from the preset's prompt set (``mtad.prompts``: ours or Spec-Bench's ``turns``,
+    lines that are not prompts skipped); [] when there is none or it is unreadable."""
     if preset is None or not preset.prompts:
         return []
     try:
-        lines = Path(preset.prompts).read_text(encoding="utf-8").splitlines()
-    except OSError:
+        prompts = read_prompts(preset.prompts, limit, skip_invalid=True)
+    except PromptFileError:
         return []
     out = []
-    for line in lines:
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        prompt = item.get("prompt") if isinstance(item, dict) else None
-        if not isinstance(prompt, str) or not prompt.strip():
-            continue
-        first = prompt.strip().splitlines()[0]
+    for p in prompts:
+        first = p.text.strip().splitlines()[0]
         first = first if len(first) <= 70 else first[:67] + "…"
-        cat = item.get("category")
-        label = f"[{cat}] {first}" if isinstance(cat, str) and cat else first
-        out.append((label, prompt))
-        if len(out) >= limit:
-            break
+        out.append((f"[{p.category}] {first}" if p.category else first, p.text))
     return out

@@ -7,7 +7,7 @@ from html import escape
 
 import plotly.graph_objects as go
 
-from mtad.decoding import mtad_accept_length, mtad_passes
+from mtad.decoding.rules import log_ratios, log_tau, mtad_accept_length, mtad_passes
 from mtad.events import Step
 from mtad.text import token_pieces
 from mtad.ui.figures import style
@@ -18,9 +18,7 @@ PASS, FAIL = "#16a34a", "#dc2626"
 
 
 def log_tau_text(tau: float) -> str:
-    if tau <= 0:
-        return "−∞"
-    return f"{math.log(tau):.3f}"
+    return num(log_tau(tau))
 
 
 def num(x: float) -> str:
@@ -104,8 +102,8 @@ def mtad_table(step: Step, pieces: list[str], tau: float) -> str:
     passed = mtad_passes(step.log_p, step.log_q, tau)
     eta = mtad_accept_length(step.log_p, step.log_q, tau)
     rows = []
-    for j, (lp, lq, ok) in enumerate(zip(step.log_p, step.log_q, passed, strict=True)):
-        d = lp - lq if math.isfinite(lp) else -math.inf
+    diffs = log_ratios(step.log_p, step.log_q)
+    for j, (lp, lq, d, ok) in enumerate(zip(step.log_p, step.log_q, diffs, passed, strict=True)):
         ratio = min(1.0, math.exp(d)) if math.isfinite(d) else 0.0
         cls = "row-acc" if j < eta else ""
         rows.append(
@@ -234,10 +232,10 @@ def verify_figure(lane: LaneRecord | None, index: int, tau: float) -> go.Figure:
     index = max(0, min(int(index), len(lane.steps) - 1))
     step = lane.steps[index]
     js = list(range(1, len(step.draft_ids) + 1))
-    log_tau = math.log(tau) if 0 < tau < 1 else (0.0 if tau >= 1 else -math.inf)
+    threshold = log_tau(tau)
     if lane.method in ("mtad", "mtad-tree"):
-        d = [lp - lq if math.isfinite(lp) else -math.inf for lp, lq in zip(step.log_p, step.log_q, strict=True)]
-        floor = _floor(d, log_tau)
+        d = log_ratios(step.log_p, step.log_q)
+        floor = _floor(d, threshold)
         ok = mtad_passes(step.log_p, step.log_q, tau)
         eta = mtad_accept_length(step.log_p, step.log_q, tau)
         fig.add_trace(
@@ -256,13 +254,14 @@ def verify_figure(lane: LaneRecord | None, index: int, tau: float) -> go.Figure:
         )
         if eta:
             fig.add_vrect(x0=0.5, x1=eta + 0.5, fillcolor=PASS, opacity=0.08, line_width=0)
-        if math.isfinite(log_tau):
-            fig.add_hline(y=log_tau, line_dash="dash", line_color="#a855f7", annotation_text=f"log τ = {log_tau:.2f}")
+        if math.isfinite(threshold):
+            fig.add_hline(
+                y=threshold, line_dash="dash", line_color="#a855f7", annotation_text=f"log τ = {threshold:.2f}"
+            )
         title = f"Prefix j passes when its bar is above log τ: accepted η = {eta}"
         style(fig, title, "prefix length j", "log p_j − log q_j", height=300)
     else:
-        tp, tq = step.token_log_p, step.token_log_q
-        d = [p - q if math.isfinite(p) else -math.inf for p, q in zip(tp, tq, strict=True)]
+        d = log_ratios(step.token_log_p, step.token_log_q)
         logs_u = [math.log(u) if u > 0 else -math.inf for u in step.uniforms] if step.uniforms else []
         floor = _floor(d + logs_u, 0.0)
         fig.add_trace(

@@ -1,0 +1,72 @@
+"""The bench's aggregation: one row per case, pooled figures (docs/metrics.md) plus per-run mean and spread.
+
+Pooled figures come from ``mtad.metrics.pool`` and per-run ones from the records ``summarize`` made: this
+file only groups runs, it defines no metric.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import fields
+
+from mtad.metrics import Metrics, pool
+
+PER_RUN = tuple(f.name for f in fields(Metrics) if f.name != "energy_note")
+"""Every numeric field of ``Metrics``: each is kept per row as mean and sample std over the runs."""
+
+
+def mean_std(values: Sequence[float | None]) -> tuple[float | None, float | None, int]:
+    """(mean, sample std, n) over the values that are not None/NaN; std is None below two values."""
+    vals = [float(v) for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    if not vals:
+        return None, None, 0
+    return statistics.fmean(vals), statistics.stdev(vals) if len(vals) > 1 else None, len(vals)
+
+
+def finished_prompts(records: Sequence[dict], runs_per_prompt: int) -> set[int]:
+    """Prompt indices every case finished (all its seeds and repeats): with a time budget, the first M."""
+    by_case: dict[str, dict[int, int]] = {}
+    for r in records:
+        counts = by_case.setdefault(r["case"], {})
+        counts[r["prompt_index"]] = counts.get(r["prompt_index"], 0) + 1
+    done = [{i for i, n in counts.items() if n >= runs_per_prompt} for counts in by_case.values()]
+    return set.intersection(*done) if done else set()
+
+
+def aggregate(
+    records: Sequence[dict],
+    cases: Sequence[dict] = (),
+    failures: dict[str, str] | None = None,
+    runs_per_prompt: int = 1,
+    budget_stopped: Sequence[str] = (),
+) -> list[dict]:
+    """One row per case (``cases`` order, then first-seen): the pooled figures, the perplexity over the
+    prompts every case finished, per-run ``<metric>_mean``/``_std``, and the case's error if it failed."""
+    failures = failures or {}
+    groups: dict[str, list[dict]] = {c["case"]: [] for c in cases}
+    for r in records:
+        groups.setdefault(r["case"], []).append(r)
+    info = {c["case"]: c for c in cases}
+    common = finished_prompts(records, runs_per_prompt)
+    rows = []
+    for label, rs in groups.items():
+        first = rs[0] if rs else info[label]
+        row = {"case": label, "method": first["method"]}
+        row.update({k: first.get(k) for k in ("gamma", "beams", "tau", "draft_mode")})
+        metrics = [Metrics.from_dict(r) for r in rs]
+        row.update(pool(metrics).to_dict())
+        in_common = [m for m, r in zip(metrics, rs, strict=True) if r["prompt_index"] in common]
+        row["common_prompts"] = len(common)
+        row["perplexity_common"] = pool(in_common).to_dict()["perplexity"] if in_common else None
+        for m in PER_RUN:
+            mean, std, _ = mean_std([r[m] for r in rs])
+            row[f"{m}_mean"], row[f"{m}_std"] = mean, std
+        notes = sorted({r["energy_note"] for r in rs if r["energy_note"]})
+        row["energy_source"] = first.get("energy_source")
+        row["energy_note"] = "; ".join(notes) if notes else None
+        row["budget_stopped"] = label in budget_stopped
+        row["error"] = failures.get(label)
+        rows.append(row)
+    return rows

@@ -1,0 +1,186 @@
+"""The bench's report: the table (pooled figures, docs/metrics.md) and the files (JSON, CSV, table, figures)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import platform
+import shlex
+import subprocess
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+import transformers
+
+from mtad.bench_plots import save_sweep_figures
+from mtad.bench_run import BenchResult
+from mtad.events import json_safe
+from mtad.pair import ModelPair
+
+
+def fmt(value: float | None, digits: int | None = None) -> str:
+    """A figure with 3 significant-ish digits; None (not measured / not defined) is ``n/a``."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    if digits is None:
+        a = abs(value)
+        digits = 0 if a >= 1000 else 1 if a >= 10 else 2 if a >= 0.1 or a == 0 else 3
+    return f"{value:.{digits}f}"
+
+
+def fmt_param(v: object) -> str:
+    """A setting's cell: ``-`` where the method does not use it."""
+    return "-" if v is None else v if isinstance(v, str) else f"{v:g}"
+
+
+def time_split(row: dict) -> str:
+    """Mean seconds per run in draft forwards / target forwards / everything else."""
+    return " / ".join(fmt(row[f"{k}_seconds_mean"], 3) for k in ("draft", "target", "other"))
+
+
+TABLE_COLUMNS = (
+    ("method", lambda r: r["method"]),
+    ("γ", lambda r: fmt_param(r["gamma"])),
+    ("W", lambda r: fmt_param(r["beams"])),
+    ("τ", lambda r: fmt_param(r["tau"])),
+    ("draft", lambda r: fmt_param(r["draft_mode"])),
+    ("speed (tok/s)", lambda r: fmt(r["tokens_per_second"])),
+    ("J/token", lambda r: fmt(r["joules_per_token"])),
+    ("perplexity", lambda r: fmt(r["perplexity"])),
+    ("ppl common", lambda r: fmt(r["perplexity_common"])),
+    ("block eff.", lambda r: fmt(r["block_efficiency"])),
+    ("acceptance", lambda r: fmt(r["acceptance"])),
+    ("draft / target / other (s/run)", time_split),
+    ("runs", lambda r: str(r["runs"])),
+)
+LEFT = 5
+"""The first columns (method and settings) are left-aligned, the figures right-aligned."""
+
+LEGEND = (
+    "speed, J/token, perplexity, block eff. and acceptance are pooled over the row's runs (total over total,\n"
+    "see docs/metrics.md); 'ppl common' pools only the {common} prompt(s) every row finished; the time split\n"
+    "is the mean per run. Per-run means and standard deviations are in summary.csv and bench.json."
+)
+
+
+def render_table(aggregates: Sequence[dict], energy_note: str | None = None) -> str:
+    """The paper's Table 4 shape: one row per method and settings, pooled figures; failed rows say why."""
+    header = [name for name, _ in TABLE_COLUMNS]
+    body = [[cell(r) for _, cell in TABLE_COLUMNS] for r in aggregates]
+    widths = [max(len(h), *(len(row[i]) for row in body)) if body else len(h) for i, h in enumerate(header)]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(
+            c.ljust(w) if i < LEFT else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        )
+
+    out = [line(header), "  ".join("-" * w for w in widths), *(line(row) for row in body)]
+    common = aggregates[0]["common_prompts"] if aggregates else 0
+    out.append(LEGEND.format(common=common))
+    for r in aggregates:
+        if r["error"]:
+            out.append(f"{r['case']} failed after {r['runs']} run(s): {r['error']}")
+        if r["budget_stopped"]:
+            out.append(f"{r['case']} ran out of its time budget after {r['runs']} run(s)")
+    if energy_note:
+        out.append(f"J/token n/a: {energy_note}")
+    return "\n".join(out)
+
+
+def environment(
+    pair: ModelPair, argv: Sequence[str], meter_reason: str | None, meter_source: str, commit: str | None
+) -> dict:
+    """Where and how the figures were measured: date, device, versions, the exact command, and the commit
+    the code was loaded from (read before the run: a long run may outlive it)."""
+    dev = pair.device
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else (platform.processor() or platform.machine())
+    draft_params, target_params = pair.parameters()
+    return {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "command": "python -m mtad.bench " + shlex.join(argv),
+        "device": str(dev),
+        "device_name": name,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "dtype": str(pair.dtype).replace("torch.", ""),
+        "pair": pair.name,
+        "draft_parameters": draft_params,
+        "target_parameters": target_params,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cuda": torch.version.cuda,
+        "energy_source": meter_source,
+        "energy_unavailable_reason": meter_reason,
+        "git_commit": commit,
+    }
+
+
+def git_commit() -> str | None:
+    """The repository's HEAD commit, or None outside a git checkout."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def write_csv(path: Path, rows: Sequence[dict]) -> None:
+    """Rows as CSV with the union of their keys as columns (lists as JSON, None as empty)."""
+    keys: list[str] = []
+    for r in rows:
+        keys.extend(k for k in r if k not in keys)
+    with path.open("w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=keys, restval="")
+        w.writeheader()
+        for r in rows:
+            w.writerow(
+                {k: json.dumps(v) if isinstance(v, (list, dict)) else "" if v is None else v for k, v in r.items()}
+            )
+
+
+def write_outputs(
+    out: Path,
+    env: dict,
+    config: dict,
+    result: BenchResult,
+    aggregates: list[dict],
+    table: str,
+    plotlyjs: str = "inline",
+) -> list[Path]:
+    """bench.json, runs.csv, summary.csv, table.txt and the sweep figures; returns the paths written."""
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "environment": env,
+        "config": config,
+        "definitions": "docs/metrics.md",
+        "aggregates": aggregates,
+        "failures": [{"case": k, "error": v} for k, v in result.failures.items()],
+        "runs": result.records,
+    }
+    if result.steps:
+        doc["steps"] = result.steps
+    paths = [out / "bench.json", out / "runs.csv", out / "summary.csv", out / "table.txt"]
+    paths[0].write_text(
+        json.dumps(json_safe(doc), indent=1, allow_nan=False, ensure_ascii=False) + "\n", encoding="utf-8"
+    )
+    write_csv(paths[1], json_safe(result.records))
+    write_csv(paths[2], json_safe(aggregates))
+    paths[3].write_text(
+        f"{env['command']}\n{env['date']} on {env['device']} ({env['device_name']})\n\n{table}\n", encoding="utf-8"
+    )
+    subtitle = f"{env['pair']} on {env['device_name']}, {env['date']}"
+    paths.extend(save_sweep_figures(aggregates, out, subtitle=subtitle, plotlyjs=plotlyjs))
+    return paths
