@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mtad.decoding import STEPS, decode
+from mtad.decoding import DECODERS, decode
 from mtad.decoding.state import DecodeState
 from mtad.pair import load_pair
 from mtad.settings import Settings
@@ -73,7 +73,7 @@ def test_one_host_read_per_iteration(monkeypatch: pytest.MonkeyPatch, embedded, 
     accepted = 0
     for _ in range(5):
         with host_reads(monkeypatch) as counts:
-            step = STEPS[method](st)
+            step = DECODERS[method].step(st)
         assert counts == Counter(tolist=1), (step.index, counts)
         accepted += step.accepted
     assert method == "ar" or accepted > 0  # the paths after an acceptance ran too

@@ -27,7 +27,17 @@ Decoder = Callable[[ModelPair, list[int], Settings], Iterator[Step]]
 """The one decoder signature: (pair, prompt ids, validated settings) -> Steps until the budget or EOS."""
 
 
-def stepwise(step_fn: Callable[[DecodeState], Step]) -> Decoder:
+@dataclass(frozen=True)
+class Method:
+    """A registered decoder and the settings it depends on (the bench sweeps and reports only these);
+    ``step`` is the one-iteration function of a decoder built with :func:`stepwise`."""
+
+    run: Decoder
+    uses: tuple[str, ...] = ()
+    step: Callable[[DecodeState], Step] | None = None
+
+
+def stepwise(step_fn: Callable[[DecodeState], Step], uses: tuple[str, ...] = ()) -> Method:
     """A decoder from a one-iteration function on the shared ``DecodeState`` (ar, sd, mtad ...)."""
 
     def run(pair: ModelPair, prompt_ids: list[int], settings: Settings) -> Iterator[Step]:
@@ -38,25 +48,17 @@ def stepwise(step_fn: Callable[[DecodeState], Step]) -> Decoder:
             if step.eos:
                 return
 
-    return run
-
-
-@dataclass(frozen=True)
-class Method:
-    """A registered decoder and the settings it depends on (the bench sweeps and reports only these)."""
-
-    run: Decoder
-    uses: tuple[str, ...] = ()
+    return Method(run, uses, step_fn)
 
 
 DECODERS: dict[str, Method] = {
-    "ar": Method(stepwise(ar_step)),
-    "sd": Method(stepwise(sd_step), ("gamma",)),
-    "mtad": Method(stepwise(mtad_step), ("gamma", "beams", "tau", "draft_mode")),
-    "mtad-tree": Method(stepwise(mtad_tree_step), ("gamma", "beams", "tau", "draft_mode")),
-    "bild": Method(stepwise(bild_step), ("gamma", "tau1", "tau2")),
-    "spectr": Method(stepwise(spectr_step), ("gamma", "num_drafts")),
-    "specinfer": Method(stepwise(specinfer_step), ("gamma", "num_drafts")),
+    "ar": stepwise(ar_step),
+    "sd": stepwise(sd_step, ("gamma",)),
+    "mtad": stepwise(mtad_step, ("gamma", "beams", "tau", "draft_mode")),
+    "mtad-tree": stepwise(mtad_tree_step, ("gamma", "beams", "tau", "draft_mode")),
+    "bild": stepwise(bild_step, ("gamma", "tau1", "tau2")),
+    "spectr": stepwise(spectr_step, ("gamma", "num_drafts")),
+    "specinfer": stepwise(specinfer_step, ("gamma", "num_drafts")),
     "hf-assisted": Method(assisted_decode, ("gamma",)),
 }
 

@@ -79,7 +79,7 @@ def verify_tree(st: DecodeState, tree: TokenTree) -> torch.Tensor:
     nodes = torch.tensor([tree.tokens], dtype=torch.long, device=st.device)
     positions = list(range(past, past + k)) + [past + k + d for d in tree.depths]
     mask = tree_mask(tree, past, k, lm.model.dtype, st.device)
-    t0 = st.clock.now()
+    t0 = st.timer.mark()
     with torch.inference_mode():
         out = lm.model(
             input_ids=torch.cat([pending, nodes], dim=1),
@@ -90,7 +90,7 @@ def verify_tree(st: DecodeState, tree: TokenTree) -> torch.Tensor:
         )
     lm.calls += 1
     logits = out.logits[0, :, : lm.vocab].float()
-    st.target_seconds += st.clock.now() - t0
+    st.spans["target"].append((t0, st.timer.mark()))
     return logits
 
 
