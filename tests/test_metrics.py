@@ -3,6 +3,7 @@ sampled runs whose per-token log-probabilities are recomputed from one full targ
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -78,6 +79,23 @@ def test_summary_without_drafts_or_meter() -> None:
     assert m.block_efficiency == pytest.approx(1.0)
     assert m.perplexity == pytest.approx(math.e)
     assert m.joules is None and m.joules_per_token is None
+
+
+def test_summary_of_a_sub_second_run_and_an_empty_one() -> None:
+    fast = [Step(index=0, method="ar", appended_ids=[1], target_logprobs=[-1.0], target_calls=1, other_seconds=0.25)]
+    m = summarize(fast, joules=0.5, energy_note="NVML counter")
+    assert m.tokens_per_second == pytest.approx(4.0) and m.overhead_fraction == pytest.approx(1.0)
+    assert m.energy_note == "NVML counter"
+    empty = summarize([])
+    assert (empty.new_tokens, empty.block_efficiency, empty.tokens_per_second, empty.overhead_fraction) == (0, 0, 0, 0)
+    assert math.isnan(empty.perplexity) and empty.joules_per_token is None
+
+
+def test_metrics_dict_is_strict_json() -> None:
+    d = summarize([]).to_dict()
+    assert d["perplexity"] is None  # nan is not JSON
+    assert json.loads(json.dumps(d, allow_nan=False)) == d
+    assert summarize(hand_made_steps()).to_dict()["perplexity"] == pytest.approx(math.e**2)
 
 
 def unwarped_full_forward(pair: ModelPair, prompt_ids: list[int], new_ids: list[int]) -> torch.Tensor:
