@@ -14,7 +14,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from mtad.pair import ModelPair, load
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-torch.set_num_threads(2)
+# MTAD_CPU_THREADS=1 keeps torch off its OpenMP pool, which a forked child (mutmut) cannot reuse
+torch.set_num_threads(int(os.environ.get("MTAD_CPU_THREADS", "2")))
 
 EOS = "<eos>"
 
