@@ -14,10 +14,15 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from mtad.pair import ModelPair, load
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# MTAD_CPU_THREADS=1 keeps torch off its OpenMP pool, which a forked child (mutmut) cannot reuse
-torch.set_num_threads(int(os.environ.get("MTAD_CPU_THREADS", "2")))
+torch.set_num_threads(2)
 
 EOS = "<eos>"
+
+
+if "MTAD_CPU_THREADS" in os.environ:
+    # honoured from the start, not only once a pair loads: with 1, torch never starts its OpenMP
+    # pool, which a forked child (mutmut's per-mutant process) would hang on
+    torch.set_num_threads(int(os.environ["MTAD_CPU_THREADS"]))
 
 
 def make_tokenizer(alphabet: str, vocab_size: int, seed: int = 0) -> PreTrainedTokenizerFast:
