@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 
@@ -18,6 +19,12 @@ os.environ.setdefault("MTAD_DTYPE", "float32")  # fp32 on every host; a CPU with
 torch.set_num_threads(2)
 
 EOS = "<eos>"
+
+
+if "MTAD_CPU_THREADS" in os.environ:
+    # honoured from the start, not only once a pair loads: with 1, torch never starts its OpenMP
+    # pool, which a forked child (mutmut's per-mutant process) would hang on
+    torch.set_num_threads(int(os.environ["MTAD_CPU_THREADS"]))
 
 
 def make_tokenizer(alphabet: str, vocab_size: int, seed: int = 0) -> PreTrainedTokenizerFast:
@@ -53,6 +60,17 @@ def make_model(vocab: int, hidden: int, layers: int, seed: int, init: float = 0.
         tie_word_embeddings=False,
     )
     return LlamaForCausalLM(cfg).eval()
+
+
+def noisy_copy(model: LlamaForCausalLM, scale: float, seed: int) -> LlamaForCausalLM:
+    """A draft that is ``model`` with seeded Gaussian noise (``scale`` x each tensor's std) on every
+    weight: it agrees with the target often but not always, so drafts are accepted partly and fully."""
+    draft = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale * p.std())
+    return draft
 
 
 def save_pair(
@@ -110,4 +128,24 @@ def micro_pair(tmp_path_factory: pytest.TempPathFactory) -> ModelPair:
         make_model(vocab, 16, 1, seed=3, init=0.6),
         make_model(vocab, 32, 1, seed=4, init=0.6),
     )
+    return load(*dirs, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def close_pair(tmp_path_factory: pytest.TempPathFactory) -> ModelPair:
+    """The 64-token setting with a draft close to its target (10% weight noise): unlike ``tiny_pair``,
+    drafts are accepted often, partly and in full, so the paths after an acceptance run."""
+    tok = make_tokenizer("abcdefgh ", 64)
+    target = make_model(len(tok), 64, 2, seed=2, init=0.2)
+    dirs = save_pair(tmp_path_factory.mktemp("close"), tok, noisy_copy(target, 0.1, seed=7), target)
+    return load(*dirs, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def micro_close_pair(tmp_path_factory: pytest.TempPathFactory) -> ModelPair:
+    """A 10-token pair whose draft is its target with 30% weight noise: SD accepts about two drafts in
+    three (bonus tokens) and rejects the rest (resamples), for the statistical tests."""
+    tok = make_tokenizer("abc", 10)
+    target = make_model(len(tok), 32, 1, seed=4, init=0.6)
+    dirs = save_pair(tmp_path_factory.mktemp("micro_close"), tok, noisy_copy(target, 0.3, seed=7), target)
     return load(*dirs, device="cpu")

@@ -10,6 +10,7 @@ from mtad.decoding import decode, generate
 from mtad.decoding.beams import beam_draft
 from mtad.decoding.mtad import mtad_step
 from mtad.decoding.rules import mtad_accept_length
+from mtad.decoding.speculative import sd_step
 from mtad.decoding.state import DecodeState
 from mtad.pair import ModelPair
 from mtad.settings import Settings
@@ -17,18 +18,47 @@ from mtad.settings import Settings
 PROMPT = "abc def gh"
 
 
-@pytest.mark.parametrize("draft_mode", ["beam", "beam-sample"])
-def test_kv_cache_matches_full_recompute(tiny_pair: ModelPair, draft_mode: str) -> None:
-    s = Settings(method="mtad", gamma=4, beams=4, tau=0.3, draft_mode=draft_mode, max_new_tokens=60, seed=3)
-    st = DecodeState.start(tiny_pair, tiny_pair.encode(PROMPT), s)
-    rolled_back = 0
-    for _ in range(6):
-        step = mtad_step(st)
-        rolled_back += step.accepted < len(step.draft_ids)
+CACHE_CASES = {
+    "tiny-mtad-beam": ("tiny_pair", Settings(method="mtad", gamma=4, beams=4, tau=0.3, seed=3)),
+    "tiny-mtad-beam-sample": (
+        "tiny_pair",
+        Settings(method="mtad", gamma=4, beams=4, tau=0.3, draft_mode="beam-sample", seed=3),
+    ),
+    "close-mtad-beam-sample": (
+        "close_pair",
+        Settings(method="mtad", gamma=4, beams=4, tau=0.3, draft_mode="beam-sample", seed=3),
+    ),
+    "close-mtad-greedy": ("close_pair", Settings(method="mtad", gamma=4, beams=4, tau=0.3, greedy=True)),
+    "close-sd-sample": ("close_pair", Settings(method="sd", gamma=4, seed=3)),
+    "close-sd-greedy": ("close_pair", Settings(method="sd", gamma=2, greedy=True)),
+}
+
+
+def count_acceptances(steps: list, gamma: int) -> tuple[int, int]:
+    """(steps that accepted part of their draft, steps that accepted a whole gamma-token draft)."""
+    partial = sum(0 < st.accepted < len(st.draft_ids) for st in steps)
+    full = sum(st.accepted == len(st.draft_ids) == gamma for st in steps)
+    return partial, full
+
+
+@pytest.mark.parametrize("case", CACHE_CASES)
+def test_kv_cache_matches_full_recompute(request: pytest.FixtureRequest, case: str) -> None:
+    pair_name, s = CACHE_CASES[case]
+    pair = request.getfixturevalue(pair_name)
+    st = DecodeState.start(pair, pair.encode(PROMPT), s.with_(max_new_tokens=80))
+    step_fn = {"mtad": mtad_step, "sd": sd_step}[s.method]
+    steps = []
+    for _ in range(8):
+        steps.append(step_fn(st))
         assert st.target.length <= len(st.ids) and st.draft.length <= len(st.ids)
-        for lm, model in ((st.target, tiny_pair.target), (st.draft, tiny_pair.draft)):
+        for lm, model in ((st.target, pair.target), (st.draft, pair.draft)):
             torch.testing.assert_close(cached_next_logits(lm, st.ids), full_logits(model, st.ids), rtol=1e-4, atol=1e-4)
+    rolled_back = sum(step.accepted < len(step.draft_ids) for step in steps)
     assert rolled_back > 0, "the run never rolled a cache back: the test did not exercise crop()"
+    if pair_name == "close_pair":
+        # the caches were checked after real acceptances: a partial one (crop inside the draft) and a full one
+        partial, full = count_acceptances(steps, s.gamma)
+        assert partial > 0 and full > 0, (partial, full)
 
 
 def test_beam_reorder_keeps_each_row_consistent(tiny_pair: ModelPair) -> None:
@@ -69,19 +99,26 @@ def test_deterministic_beam_draft_equals_hf_beam_search(tiny_pair: ModelPair) ->
         assert ours == hf[0, len(ids) :].tolist(), (width, gamma, prompt)
 
 
-def test_greedy_sd_equals_greedy_ar_and_transformers(tiny_pair: ModelPair) -> None:
+@pytest.mark.parametrize("pair_name", ["tiny_pair", "close_pair"])
+def test_greedy_sd_equals_greedy_ar_and_transformers(request: pytest.FixtureRequest, pair_name: str) -> None:
+    pair = request.getfixturevalue(pair_name)
+    sd_steps = []
     for prompt in (PROMPT, "a", "ggg hhh abcabc"):
-        ar = generate(tiny_pair, prompt, Settings(method="ar", greedy=True, max_new_tokens=40)).new_ids
+        ar = generate(pair, prompt, Settings(method="ar", greedy=True, max_new_tokens=40)).new_ids
         for gamma in (1, 3, 7):
-            sd = generate(tiny_pair, prompt, Settings(method="sd", greedy=True, gamma=gamma, max_new_tokens=40))
+            sd = generate(pair, prompt, Settings(method="sd", greedy=True, gamma=gamma, max_new_tokens=40))
             assert sd.new_ids == ar, (prompt, gamma)
-        ids = torch.tensor([tiny_pair.encode(prompt)])
-        hf = tiny_pair.target.generate(ids, do_sample=False, max_new_tokens=40, pad_token_id=0)
-        assisted = tiny_pair.target.generate(
-            ids, do_sample=False, max_new_tokens=40, pad_token_id=0, assistant_model=tiny_pair.draft
+            sd_steps += sd.steps if gamma == 3 else []
+        ids = torch.tensor([pair.encode(prompt)])
+        hf = pair.target.generate(ids, do_sample=False, max_new_tokens=40, pad_token_id=0)
+        assisted = pair.target.generate(
+            ids, do_sample=False, max_new_tokens=40, pad_token_id=0, assistant_model=pair.draft
         )
         assert hf[0, ids.shape[1] :].tolist() == ar
         assert assisted[0, ids.shape[1] :].tolist() == ar
+    if pair_name == "close_pair":
+        partial, full = count_acceptances(sd_steps, 3)
+        assert partial > 0 and full > 0, (partial, full)
 
 
 def test_mtad_tau_one_is_greedy_ar_and_tau_zero_takes_every_draft(tiny_pair: ModelPair) -> None:
@@ -113,18 +150,26 @@ def test_mtad_trace_and_target_token(tiny_pair: ModelPair, greedy: bool) -> None
         context.extend(step.appended_ids)
 
 
+@pytest.mark.parametrize("pair_name", ["tiny_pair", "close_pair"])
 @pytest.mark.parametrize("method", ["ar", "sd", "mtad"])
 @pytest.mark.parametrize("greedy", [True, False])
-def test_budget_seed_and_prompt_not_counted(tiny_pair: ModelPair, method: str, greedy: bool) -> None:
+def test_budget_seed_and_prompt_not_counted(
+    request: pytest.FixtureRequest, pair_name: str, method: str, greedy: bool
+) -> None:
+    pair = request.getfixturevalue(pair_name)
+    full_drafts = 0
     for budget in (1, 2, 5, 17):
         s = Settings(method=method, greedy=greedy, gamma=4, beams=3, max_new_tokens=budget, seed=11)
-        run = generate(tiny_pair, PROMPT, s)
+        run = generate(pair, PROMPT, s)
         n = sum(len(st.appended_ids) for st in run.steps)
         assert n == len(run.new_ids) <= budget
         assert n == budget or run.steps[-1].eos
-        assert len(run.prompt_ids) == len(tiny_pair.encode(PROMPT))
-        again = generate(tiny_pair, PROMPT, s)
+        assert len(run.prompt_ids) == len(pair.encode(PROMPT))
+        again = generate(pair, PROMPT, s)
         assert again.new_ids == run.new_ids
+        full_drafts += sum(0 < st.accepted == len(st.draft_ids) for st in run.steps)
+    if pair_name == "close_pair" and method != "ar":
+        assert full_drafts > 0, "no draft was accepted whole: the budget near the end was not exercised"
 
 
 @pytest.mark.parametrize("method", ["ar", "sd", "mtad"])
@@ -136,6 +181,30 @@ def test_stops_at_eos(tiny_pair: ModelPair, method: str) -> None:
     run = generate(pair, PROMPT, s)
     assert run.new_ids == free[: stop_at + 1]
     assert run.steps[-1].eos
+
+
+@pytest.mark.parametrize("method", ["sd", "mtad"])
+def test_eos_inside_an_accepted_draft_cuts_the_rest(close_pair: ModelPair, method: str) -> None:
+    """EOS as an accepted draft token, with more accepted tokens after it in the same step: all cut."""
+    s = Settings(method=method, greedy=True, gamma=4, max_new_tokens=40)
+    free = generate(close_pair, PROMPT, s)
+    new, pos, stop_at = free.new_ids, 0, None
+    for step in free.steps:
+        for j, t in enumerate(step.appended_ids):
+            # a draft token followed by others in its step, and the first time the token appears
+            if j + 1 < len(step.appended_ids) and not step.from_target[j] and t not in new[: pos + j]:
+                stop_at = pos + j
+                break
+        if stop_at is not None:
+            break
+        pos += len(step.appended_ids)
+    assert stop_at is not None, "no accepted draft token to stop at: the pair accepts too little"
+    pair = ModelPair(**{**close_pair.__dict__, "eos_ids": frozenset({new[stop_at]})})
+    run = generate(pair, PROMPT, s)
+    assert run.new_ids == new[: stop_at + 1]
+    last = run.steps[-1]
+    assert last.eos and last.from_target[-1] is False and last.accepted >= len(last.appended_ids)
+    assert len(last.target_logprobs) == len(last.from_target) == len(last.appended_ids)
 
 
 def test_seeds_differ(tiny_pair: ModelPair) -> None:

@@ -85,6 +85,7 @@ def test_cpu_threads_leave_a_core_free(monkeypatch: pytest.MonkeyPatch, tiny_dir
     from mtad.pair import configure_cpu_threads
 
     before = torch.get_num_threads()
+    monkeypatch.delenv("MTAD_CPU_THREADS", raising=False)  # the default is under test, not a caller's choice
     try:
         monkeypatch.setattr("os.cpu_count", lambda: 4)
         load(*tiny_dirs, device="cpu")

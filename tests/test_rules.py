@@ -21,8 +21,9 @@ def joint(*probs: float) -> list[float]:
 def both(log_p: list[float], log_q: list[float], tau: float) -> int:
     """Host rule and device rule must agree; return their answer."""
     host = mtad_accept_length(log_p, log_q, tau)
-    dev = int(mtad_accept_length_t(torch.tensor(log_p), torch.tensor(log_q), tau))
-    assert host == dev
+    dev = mtad_accept_length_t(torch.tensor(log_p, dtype=torch.float64), torch.tensor(log_q, dtype=torch.float64), tau)
+    assert dev.dtype == torch.long and dev.dim() == 0
+    assert host == int(dev)
     return host
 
 
@@ -63,6 +64,11 @@ def test_boundary_is_strict() -> None:
     assert both(log_p, log_q, 0.49) == 1
 
 
+def test_mismatched_joints_are_refused() -> None:
+    with pytest.raises(ValueError):
+        mtad_passes([L(0.5), L(0.25)], [L(0.5)], 0.1)
+
+
 @pytest.mark.parametrize(
     ("p", "q", "u", "n"),
     [
@@ -70,6 +76,8 @@ def test_boundary_is_strict() -> None:
         ([0.1, 0.9], [0.5, 0.1], [0.3, 0.0], 0),  # 0.3 >= 0.1/0.5 rejects the first
         ([0.4, 0.1], [0.5, 0.5], [0.7, 0.1], 2),  # 0.7 < 0.8, 0.1 < 0.2
         ([0.4, 0.1], [0.5, 0.5], [0.7, 0.3], 1),  # second: 0.3 >= 0.2 rejects
+        ([0.0, 0.5], [0.5, 0.5], [0.0, 0.0], 0),  # p = 0 (warped away) is never accepted, even at u = 0
+        ([0.25], [0.5], [0.5], 0),  # u = p/q exactly rejects: accept iff u < p/q
     ],
 )
 def test_sd_rule(p: list[float], q: list[float], u: list[float], n: int) -> None:

@@ -22,11 +22,22 @@ def test_warp_equals_transformers(temperature: float, top_k: int, top_p: float) 
         torch.testing.assert_close(ours[torch.isfinite(ours)], theirs[torch.isfinite(theirs)])
 
 
+def test_top_p_boundary_with_exact_ties() -> None:
+    """Four equal survivors (probability 1/4 each, exact in floating point) and top-p 0.5: the mass
+    ranked above the third is exactly 0.5, so it is dropped, as transformers drops it; two stay."""
+    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0, -10.0]])
+    s = Settings(top_k=4, top_p=0.5)
+    assert int(torch.isfinite(warp(logits.clone(), s)).sum()) == 2
+    assert int(torch.isfinite(warper(s)(None, logits.clone())).sum()) == 2
+
+
 def test_greedy_is_plain_softmax_and_argmax() -> None:
     logits = torch.randn(4, 50)
     s = Settings(greedy=True)
     torch.testing.assert_close(log_probs(logits, s), torch.log_softmax(logits, -1))
     assert torch.equal(pick(log_probs(logits, s), s, None), logits.argmax(-1))
+    # one row of logits, as the decoders pass it: one token
+    assert int(pick(log_probs(logits[1], s), s, None)) == int(logits[1].argmax())
 
 
 def test_sampling_respects_the_warp_and_the_seed() -> None:

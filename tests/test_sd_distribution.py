@@ -2,11 +2,15 @@
 
 On a 10-token vocabulary, the empirical joint law of the first two new tokens over many seeds
 is compared with the exact law computed from the target (chi-square, false-alarm rate 0.1%).
-The same test run against a deliberately wrong SD (resample from p, not the residual) must fail.
+With gamma = 2 the two tokens cover acceptance and the residual resample; with gamma = 1 the
+second token is the bonus whenever the first is accepted, so the first gamma + 1 tokens cover
+acceptance, resample and bonus. Deliberately wrong SDs (resample from p, not the residual;
+bonus from the last draft position's p, not the next) must fail the same test.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections import Counter
 
 import pytest
@@ -21,6 +25,7 @@ from mtad.settings import Settings
 ALPHA = 1e-3
 RUNS = 1000
 SETTINGS = Settings(method="sd", gamma=2, max_new_tokens=3, temperature=1.3, top_k=5, top_p=0.99)
+BONUS = SETTINGS.with_(gamma=1, max_new_tokens=2)
 
 
 def exact_first_two(pair: ModelPair, ids: list[int], s: Settings) -> dict[tuple[int, int], float]:
@@ -41,11 +46,23 @@ def exact_first_two(pair: ModelPair, ids: list[int], s: Settings) -> dict[tuple[
 
 
 def sampled_first_two(pair: ModelPair, ids: list[int], s: Settings) -> Counter:
-    counts = Counter()
+    return sampled(pair, ids, s)[0]
+
+
+def sampled(pair: ModelPair, ids: list[int], s: Settings) -> tuple[Counter, Counter]:
+    """Counts of the first two new tokens over RUNS seeds, and of how the first step ended:
+    "bonus" (every draft accepted, then the target's own next token), "resample" (a rejection)."""
+    counts, kinds = Counter(), Counter()
     for seed in range(RUNS):
-        new = [t for step in decode(pair, ids, s.with_(seed=seed)) for t in step.appended_ids]
+        steps = list(decode(pair, ids, s.with_(seed=seed)))
+        new = [t for step in steps for t in step.appended_ids]
         counts[tuple(new[:2])] += 1
-    return counts
+        first = steps[0]
+        if first.accepted < len(first.draft_ids):
+            kinds["resample"] += 1
+        elif len(first.appended_ids) == first.accepted + 1:
+            kinds["bonus"] += 1
+    return counts, kinds
 
 
 def gof_pvalue(counts: Counter, law: dict[tuple[int, int], float]) -> float:
@@ -84,3 +101,34 @@ def test_wrong_residual_is_caught(setup: tuple, monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(speculative, "residual", lambda p, q: p)
     counts = sampled_first_two(pair, ids, SETTINGS)
     assert gof_pvalue(counts, law) < ALPHA
+
+
+@pytest.fixture(scope="module")
+def bonus_setup(micro_close_pair: ModelPair) -> tuple[ModelPair, list[int], dict]:
+    ids = micro_close_pair.encode("bb")
+    return micro_close_pair, ids, exact_first_two(micro_close_pair, ids, BONUS)
+
+
+def test_sd_bonus_and_resample_match_target_distribution(bonus_setup: tuple) -> None:
+    pair, ids, law = bonus_setup
+    assert len(law) >= 10, "too few outcomes for a meaningful test"
+    counts, kinds = sampled(pair, ids, BONUS)
+    # both rare paths must carry real weight in the sample, or the test would not judge them
+    assert kinds["bonus"] >= RUNS // 2, kinds
+    assert kinds["resample"] >= RUNS // 10, kinds
+    assert gof_pvalue(counts, law) > ALPHA
+
+
+def test_bonus_from_the_wrong_position_is_caught(bonus_setup: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control: the bonus drawn from p[g-1] (the last draft's position) instead of p[g]."""
+    pair, ids, law = bonus_setup
+    source = inspect.getsource(speculative.sd_step)
+    assert source.count("p[g:]") == 1, "sd_step no longer takes its bonus row as p[g:]: update this control"
+    scope = dict(vars(speculative))
+    exec(compile(source.replace("p[g:]", "p[g - 1 : g]"), speculative.__file__, "exec"), scope)
+    # swap the code in place, so every reference to sd_step (the decoder registry too) runs the bug
+    monkeypatch.setattr(speculative.sd_step, "__code__", scope["sd_step"].__code__)
+    counts, kinds = sampled(pair, ids, BONUS)
+    assert kinds["bonus"] >= RUNS // 2, kinds
+    # caught either way: pairs the warped target gives probability 0, or a misfit
+    assert set(counts) - set(law) or gof_pvalue(counts, law) < ALPHA

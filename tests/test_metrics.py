@@ -1,0 +1,131 @@
+"""Every metric against values computed independently: hand-made steps with known answers, and real
+sampled runs whose per-token log-probabilities are recomputed from one full target forward."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from mtad.decoding import generate
+from mtad.events import Step
+from mtad.metrics import perplexity, summarize
+from mtad.pair import ModelPair
+from mtad.settings import Settings
+
+
+def hand_made_steps() -> list[Step]:
+    """An SD-like run: 3 drafted / 1 accepted / 2 appended, then 2 drafted / 0 accepted / 1 appended."""
+    return [
+        Step(
+            index=0,
+            method="sd",
+            draft_ids=[5, 6, 7],
+            accepted=1,
+            appended_ids=[5, 8],
+            from_target=[False, True],
+            target_logprobs=[-1.0, -2.0],
+            target_calls=1,
+            draft_calls=3,
+            draft_seconds=0.25,
+            target_seconds=0.5,
+            other_seconds=0.25,
+        ),
+        Step(
+            index=1,
+            method="sd",
+            draft_ids=[1, 2],
+            accepted=0,
+            appended_ids=[4],
+            from_target=[True],
+            target_logprobs=[-3.0],
+            target_calls=1,
+            draft_calls=2,
+            draft_seconds=0.125,
+            target_seconds=0.5,
+            other_seconds=0.375,
+        ),
+    ]
+
+
+def test_perplexity_of_known_log_probs() -> None:
+    assert perplexity([-1.0, -2.0, -3.0]) == pytest.approx(math.e**2)
+    assert perplexity([-0.5]) == pytest.approx(math.exp(0.5))
+    assert perplexity([0.0, 0.0]) == pytest.approx(1.0)
+    assert perplexity([-3.0, -1.0]) == pytest.approx(math.e**2)  # order does not matter, the last one counts
+    assert math.isnan(perplexity([]))
+
+
+def test_summary_of_hand_made_steps() -> None:
+    m = summarize(hand_made_steps(), joules=6.0)
+    assert (m.new_tokens, m.iterations, m.target_calls, m.draft_calls) == (3, 2, 2, 5)
+    assert (m.drafted, m.accepted) == (5, 1)
+    assert m.block_efficiency == pytest.approx(1.5)  # 3 new tokens / 2 target calls
+    assert m.acceptance == pytest.approx(0.2)  # 1 accepted / 5 drafted
+    assert m.perplexity == pytest.approx(math.e**2)  # log-probs -1, -2, -3
+    assert m.seconds == pytest.approx(2.0)
+    assert (m.draft_seconds, m.target_seconds, m.other_seconds) == pytest.approx((0.375, 1.0, 0.625))
+    assert m.tokens_per_second == pytest.approx(1.5)
+    assert m.overhead_fraction == pytest.approx(0.3125)  # 0.625 s of bookkeeping in 2 s
+    assert m.joules == 6.0 and m.joules_per_token == pytest.approx(2.0)
+
+
+def test_summary_without_drafts_or_meter() -> None:
+    ar = [Step(index=i, method="ar", appended_ids=[i], target_logprobs=[-1.0], target_calls=1) for i in range(4)]
+    m = summarize(ar)
+    assert m.acceptance is None and m.drafted == 0
+    assert m.block_efficiency == pytest.approx(1.0)
+    assert m.perplexity == pytest.approx(math.e)
+    assert m.joules is None and m.joules_per_token is None
+
+
+def test_summary_of_a_sub_second_run_and_an_empty_one() -> None:
+    fast = [Step(index=0, method="ar", appended_ids=[1], target_logprobs=[-1.0], target_calls=1, other_seconds=0.25)]
+    m = summarize(fast, joules=0.5, energy_note="NVML counter")
+    assert m.tokens_per_second == pytest.approx(4.0) and m.overhead_fraction == pytest.approx(1.0)
+    assert m.energy_note == "NVML counter"
+    empty = summarize([])
+    assert (empty.new_tokens, empty.block_efficiency, empty.tokens_per_second, empty.overhead_fraction) == (0, 0, 0, 0)
+    assert math.isnan(empty.perplexity) and empty.joules_per_token is None
+
+
+def test_metrics_dict_is_strict_json() -> None:
+    d = summarize([]).to_dict()
+    assert d["perplexity"] is None  # nan is not JSON
+    assert json.loads(json.dumps(d, allow_nan=False)) == d
+    assert summarize(hand_made_steps()).to_dict()["perplexity"] == pytest.approx(math.e**2)
+
+
+def unwarped_full_forward(pair: ModelPair, prompt_ids: list[int], new_ids: list[int]) -> torch.Tensor:
+    """log softmax at T = 1 of one full target forward over prompt + output, at each new token."""
+    ids = prompt_ids + new_ids
+    with torch.inference_mode():
+        logits = pair.target(input_ids=torch.tensor([ids])).logits[0].float()
+    logp = torch.log_softmax(logits[len(prompt_ids) - 1 : len(ids) - 1], dim=-1)
+    return logp.gather(1, torch.tensor(new_ids)[:, None])[:, 0]
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        Settings(method="ar"),
+        Settings(method="sd", gamma=3),
+        Settings(method="mtad", gamma=3, beams=3, tau=0.2),
+        Settings(method="mtad", gamma=3, beams=3, tau=0.2, draft_mode="beam-sample"),
+    ],
+    ids=["ar", "sd", "mtad-beam", "mtad-beam-sample"],
+)
+def test_target_logprobs_are_the_unwarped_full_forward(close_pair: ModelPair, settings: Settings) -> None:
+    """Sampling at T != 1 with top-k: perplexity still reads the plain target, one entry per new token."""
+    s = settings.with_(temperature=1.6, top_k=5, top_p=0.95, max_new_tokens=40, seed=4)
+    run = generate(close_pair, "abc def", s)
+    got = [lp for step in run.steps for lp in step.target_logprobs]
+    assert len(got) == len(run.new_ids) == sum(len(step.appended_ids) for step in run.steps)
+    want = unwarped_full_forward(close_pair, run.prompt_ids, run.new_ids)
+    torch.testing.assert_close(torch.tensor(got), want, rtol=0, atol=1e-4)
+    assert summarize(run.steps).perplexity == pytest.approx(math.exp(-float(want.mean())), rel=1e-4)
+    if s.method != "ar":
+        # accepted drafts' log-probs were checked too, not only the target's own tokens
+        assert sum(step.accepted for step in run.steps) >= 5
