@@ -13,23 +13,44 @@ import torch
 
 from mtad.decoding import encode_prompt
 from mtad.pair import PairError, configure_cpu_threads, default_pair_name, presets, resolve_device
-from mtad.ui import cards, figures, tokens, verify
-from mtad.ui.inputs import example_prompts, parse_settings
+from mtad.settings import Settings
+from mtad.ui import availability, cards, figures, tokens, verify
+from mtad.ui.inputs import as_bool, example_prompts, parse_settings
 from mtad.ui.record import LABELS, LaneRecord, RunRecord
 from mtad.ui.runner import CANCELS, OOM_MESSAGE, PAIRS, free_device_memory, run_lanes
+from mtad.ui.waiting import LINE, place_text
 
 log = logging.getLogger(__name__)
 LANES = ("sd", "mtad", "ar")
-PLOT_EVERY = 0.5  # seconds between live plot refreshes (lanes refresh every iteration batch)
+PLOT_EVERY = 1.0  # seconds between live plot refreshes
+LIVE_EVERY = 0.25  # seconds between live lane refreshes (a long run must not drown the browser)
 EMPTY_PROMPT = "the prompt is empty: type some text to continue"
 
 
 # ---------------------------------------------------------------- page set-up helpers
 
+RACE = ("sd", "mtad")  # the two lanes' methods, in page order (the AR lane is the optional third)
+
 
 def pair_choices() -> list[tuple[str, str]]:
-    """(label, name) for the pair dropdown: the operator's presets only."""
-    return [(name + ("" if not p.needs_hub else " (Hub)"), name) for name, p in presets().items()]
+    """(label, name) for the pair dropdown: the operator's presets, those that cannot run here marked
+    (or hidden, when ``MTAD_UNAVAILABLE_PAIRS=hide``; never all of them)."""
+    out, hidden = [], []
+    for name, p in presets().items():
+        reason = availability.unavailable_reason(p)
+        if reason:
+            short = "needs the internet" if "internet" in reason else "needs a GPU"
+            (hidden if availability.hide_unavailable() else out).append((f"{name} ({short}: not on this server)", name))
+        else:
+            out.append((name + (" (Hub)" if p.needs_hub else ""), name))
+    return out or hidden
+
+
+def pair_dropdown(current: str | None) -> dict:
+    """The pair dropdown as of now (the Hub probe may have answered since the page was built)."""
+    choices = pair_choices()
+    names = [n for _, n in choices]
+    return gr.update(choices=choices, value=current if current in names else (names[0] if names else None))
 
 
 def default_pair() -> str:
@@ -40,23 +61,43 @@ def default_pair() -> str:
 
 
 def pair_info(name: str) -> str:
-    """The preset's description, and whether it needs the Hub."""
+    """The preset's description, whether it needs the Hub, and why it cannot run here if it cannot."""
     p = presets().get(name)
     if p is None:
         return ""
-    hub = " Needs the Hugging Face Hub the first time (not available offline)." if p.needs_hub else ""
+    reason = availability.unavailable_reason(p)
+    if reason:
+        return f"{escape(p.description)}. **Cannot run on this server:** it {escape(reason)}."
+    hub = " Needs the Hugging Face Hub the first time." if p.needs_hub else ""
     return f"{escape(p.description)}.{hub} Loads once, on its first run, then stays in memory."
 
 
-def examples_update(name: str) -> dict:
-    """The example-prompt dropdown for a preset, its first prompt picked (empty, with a note, when none)."""
-    ex = example_prompts(presets().get(name))
+def pair_examples(name: str | None) -> list[tuple[str, str]]:
+    """The preset's example prompts, one per label (prompt sets repeat first lines, e.g. many ``def f():``)."""
+    seen, out = set(), []
+    for label, text in example_prompts(presets().get(name)):
+        if label not in seen:
+            seen.add(label)
+            out.append((label, text))
+    return out
+
+
+def examples_update(name: str, value: str | None) -> dict:
+    """The example-prompt dropdown for a preset, ``value`` picked (empty, with a note, when it has none)."""
+    ex = pair_examples(name)
     label = "Example prompts" if ex else "Example prompts (none for this pair)"
-    return gr.update(choices=ex, value=ex[0][1] if ex else None, label=label, interactive=bool(ex))
+    return gr.update(choices=ex, value=value, label=label, interactive=bool(ex))
 
 
-def on_pair_change(name: str) -> tuple[str, dict]:
-    return pair_info(name), examples_update(name)
+def on_pair_change(name: str, prompt: str | None) -> tuple[str, dict, dict]:
+    """A new pair: its description and examples; the prompt follows only if the visitor had not typed one."""
+    ex = pair_examples(name)
+    typed = bool(prompt and prompt.strip()) and not any(
+        prompt == text for other in presets() for _, text in pair_examples(other)
+    )
+    if typed or not ex:
+        return pair_info(name), examples_update(name, None), gr.skip()
+    return pair_info(name), examples_update(name, ex[0][1]), gr.update(value=ex[0][1])
 
 
 def on_example(prompt: str | None) -> dict:
@@ -99,45 +140,148 @@ def lane_note(method: str, settings: dict) -> str:
     return f"W = {settings.get('beams')}, {g}, τ = {settings.get('tau'):g}"
 
 
-# ---------------------------------------------------------------- run
+# ---------------------------------------------------------------- messages and the waiting line
 
 
-def arm(request: gr.Request) -> None:
-    """Before a run is queued: a fresh Stop flag for this session (so Stop works while queued)."""
-    CANCELS.arm(request.session_hash or "api")
+def message_html(text: str = "", kind: str = "error") -> str:
+    """The message area under Run: stays until the next Run (empty when there is nothing to say)."""
+    if not text:
+        return '<div class="mtad-message mtad-message-empty"></div>'
+    role = ' role="alert"' if kind == "error" else ""
+    title = {"error": "Not run: ", "stop": "", "info": ""}.get(kind, "")
+    return f'<div class="mtad-message mtad-message-{escape(kind)}"{role}><b>{title}</b>{escape(text)}</div>'
 
 
-def stop(request: gr.Request) -> None:
-    """Stop: the run ends at its next iteration and frees the device."""
-    if CANCELS.stop(request.session_hash or "api"):
-        gr.Info("Stopping at the next iteration.")
+def _session(request: gr.Request | None) -> str:
+    return (request.session_hash if request is not None else None) or "api"
+
+
+def waiting_outputs(session: str) -> tuple | None:
+    """(status, lane, lane) for a session waiting in line, or None when it is not waiting."""
+    place = LINE.place(session)
+    if place is None or place.position <= 1:
+        return None
+    text = place_text(place)
+    lanes = [tokens.placeholder_html(m, text, state="line") for m in RACE]
+    return (f"**{text}**", *lanes)
+
+
+def arm(request: gr.Request) -> tuple:
+    """Run pressed (before the run is queued): a fresh Stop flag, a place in line, the old message cleared,
+    and, when someone is ahead, the queue position at once with the ticker that keeps it current."""
+    session = _session(request)
+    CANCELS.arm(session)
+    LINE.join(session)
+    shown = waiting_outputs(session)
+    if shown is None:
+        return message_html(), gr.skip(), gr.skip(), gr.skip(), gr.Timer(active=False)
+    return message_html(), *shown, gr.Timer(active=True)
+
+
+def waiting_tick(request: gr.Request) -> tuple:
+    """Every second while waiting: the position again; the ticker stops once the run has started."""
+    shown = waiting_outputs(_session(request))
+    if shown is None:
+        return gr.skip(), gr.skip(), gr.skip(), gr.Timer(active=False)
+    return *shown, gr.Timer(active=True)
+
+
+def stop(request: gr.Request) -> str:
+    """Stop: the run ends after the iteration in progress and frees the device; a waiting run leaves the line."""
+    session = _session(request)
+    waiting = LINE.place(session) is not None
+    if not CANCELS.stop(session):
+        return message_html("nothing is running.", kind="info")
+    if waiting:
+        LINE.leave(session)
+        return message_html("Stopped while waiting in the queue: the run will not start.", kind="stop")
+    return message_html(
+        "Stop pressed: the run ends after the iteration in progress; later lanes do not start.", kind="stop"
+    )
 
 
 def unload(request: gr.Request) -> None:
-    """A closed tab stops its run."""
-    session = request.session_hash or "api"
+    """A closed tab stops its run and leaves the line."""
+    session = _session(request)
     CANCELS.stop(session)
     CANCELS.forget(session)
+    LINE.leave(session)
 
 
-def outputs(record: RunRecord | None, status: str, plots: bool, final: bool = False) -> tuple:
-    """The run event's outputs, in the order app.py lists them."""
-    lanes = list(record.lanes.values()) if record else []
-    prompt = record.prompt if record else ""
-    notes = {m: lane_note(m, record.settings) for m in LANES} if record else {}
-    lane_htmls = [tokens.lane_html(record.lane(m) if record else None, prompt, note=notes.get(m, "")) for m in LANES]
-    if plots:
-        energy = figures.energy_figure(lanes)
-        plot_out = (
-            figures.tokens_vs_seconds(lanes),
-            figures.accepted_per_iteration(lanes),
-            gr.update(value=energy, visible=True) if energy is not None else gr.update(visible=False),
-            energy_note(lanes),
-        )
-    else:
-        plot_out = (gr.skip(), gr.skip(), gr.skip(), gr.skip())
-    data = record.to_dict(with_steps=final) if record else {}
-    return (status, *lane_htmls, cards.cards_html(lanes), *plot_out, record, data)
+# ---------------------------------------------------------------- run
+
+
+def lane_slots(record: RunRecord | None) -> list[str | None]:
+    """The methods shown in the page's three lane boxes: the two raced methods, then AR (or nothing)."""
+    if record is None:
+        return [*RACE, None]
+    methods = [m for m in record.lanes if m != "ar"]
+    return [*(methods + [None, None])[:2], "ar" if "ar" in record.lanes else None]
+
+
+def lane_box(record: RunRecord | None, method: str | None, upto: int | None = None) -> str:
+    """One lane box's HTML: the lane, or its titled placeholder."""
+    if record is None or method is None or record.lane(method) is None:
+        return tokens.placeholder_html(method, "Press Run to generate.")
+    return tokens.lane_html(record.lane(method), record.prompt, upto=upto, note=lane_note(method, record.settings))
+
+
+def plots(lanes: list[LaneRecord]) -> tuple:
+    """Tokens-vs-seconds, accepted-per-iteration, the energy figure (or hidden) and the energy note."""
+    energy = figures.energy_figure(lanes)
+    return (
+        figures.tokens_vs_seconds(lanes),
+        figures.accepted_per_iteration(lanes),
+        gr.update(value=energy, visible=True) if energy is not None else gr.update(visible=False),
+        energy_note(lanes),
+    )
+
+
+class Stream:
+    """Turns a filling run into page updates: only lanes that changed, plots at most every ``plot_every`` s.
+
+    A long run re-sent whole every tenth of a second kept the browser so busy that a click on Stop took
+    seconds to go out; unchanged lanes are skipped and the big figures are rate-limited.
+    """
+
+    def __init__(self, plot_every: float = PLOT_EVERY) -> None:
+        self.plot_every = plot_every
+        self.sent: dict[str, tuple] = {}
+        self.last_plot = -math.inf
+
+    def outputs(self, record: RunRecord, status: str, message: str | None = None, final: bool = False) -> tuple:
+        """The run event's outputs, in the order app.py lists them."""
+        slots = lane_slots(record)
+        htmls = []
+        changed = False
+        for m in slots:
+            lane = record.lane(m) if m else None
+            sig = (len(lane.steps), lane.state, lane.error) if lane else None
+            if final or self.sent.get(m or "") != sig:
+                self.sent[m or ""] = sig
+                htmls.append(lane_box(record, m))
+                changed = True
+            else:
+                htmls.append(gr.skip())
+        lanes = list(record.lanes.values())
+        now = time.perf_counter()
+        finished = any(lane.finished for lane in lanes) and changed
+        if final or (changed and (now - self.last_plot >= self.plot_every or finished)):
+            self.last_plot = now
+            plot_out = plots(lanes)
+        else:
+            plot_out = (gr.skip(),) * 4
+        card = cards.cards_html(lanes) if changed or final else gr.skip()
+        data = record.to_dict(with_steps=True) if final else gr.skip()
+        msg = gr.skip() if message is None else message
+        return (msg, status, *htmls, card, *plot_out, record, data)
+
+
+def blank_outputs(message: str, status: str) -> tuple:
+    """Outputs for a run that did not start: the message, a fresh status, titled empty lanes."""
+    htmls = [lane_box(None, m) for m in lane_slots(None)]
+    empty = cards.cards_html([])
+    return (message, status, *htmls, empty, gr.skip(), gr.skip(), gr.skip(), gr.skip(), None, {})
 
 
 def energy_note(lanes: list[LaneRecord]) -> str:
@@ -148,6 +292,29 @@ def energy_note(lanes: list[LaneRecord]) -> str:
         f'<div class="energy-na">Energy: <b>n/a — {escape(reason)}</b>. On a GPU the page plots power (W) and '
         "joules per token from NVML's energy counter.</div>"
     )
+
+
+def check_run(prompt: object, pair_name: object, with_ar: object, values: dict) -> Settings:
+    """Everything the run event received, checked (the API can send anything); ValueError naming the field."""
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ValueError(EMPTY_PROMPT)
+    table = presets()
+    if not isinstance(pair_name, str) or pair_name not in table:
+        raise ValueError(f"model pair {str(pair_name)[:80]!r} is not offered here; pick one of: {', '.join(table)}")
+    reason = availability.unavailable_reason(table[pair_name])
+    if reason:
+        raise ValueError(f"model pair {pair_name!r} cannot run on this server: it {reason}; pick another pair")
+    as_bool("AR baseline lane", with_ar)
+    return parse_settings(**values)
+
+
+def refuse(message: str) -> Iterator[tuple]:
+    """Show why a run did not start (it stays on the page), then fail the event for API clients.
+
+    The error is raised invisibly: the page already shows the message where the visitor looks.
+    """
+    yield blank_outputs(message_html(message), f"Not run: {escape(message)}")
+    raise gr.Error(message, visible=False, print_exception=False)
 
 
 def run(
@@ -165,24 +332,50 @@ def run(
     with_ar: bool,
     request: gr.Request,
 ) -> Iterator[tuple]:
-    """Generate with SD, then MTAD (then AR if asked), streaming both lanes into the page."""
+    """Generate with each raced method, one after another (then AR if asked), streaming the lanes."""
+    session = _session(request)
+    LINE.start(session)
     try:
-        settings = parse_settings(tau, beams, gamma, max_new_tokens, greedy, temperature, top_k, top_p, seed)
+        yield from _run(
+            session,
+            prompt,
+            pair_name,
+            with_ar,
+            dict(
+                tau=tau,
+                beams=beams,
+                gamma=gamma,
+                max_new_tokens=max_new_tokens,
+                greedy=greedy,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                seed=seed,
+            ),
+        )
+    finally:
+        LINE.leave(session)
+
+
+def _run(session: str, prompt: object, pair_name: object, with_ar: object, values: dict) -> Iterator[tuple]:
+    try:
+        settings = check_run(prompt, pair_name, with_ar, values)
     except ValueError as exc:
-        raise gr.Error(str(exc)) from None
-    if not isinstance(prompt, str) or not prompt.strip():
-        raise gr.Error(EMPTY_PROMPT)
-    if pair_name not in presets():
-        raise gr.Error(f"unknown pair {pair_name!r}; pick one of the listed pairs")
-    cancel = CANCELS.take(request.session_hash or "api")
+        yield from refuse(str(exc))
+        return
+    cancel = CANCELS.take(session)
+    if cancel.is_set():
+        yield blank_outputs(message_html("Stopped while waiting in the queue.", kind="stop"), "Stopped before start.")
+        return
     if not PAIRS.loaded(pair_name):
-        yield outputs(None, f"Loading the pair `{pair_name}` (first run only)…", plots=False)
+        yield blank_outputs(message_html(), f"Loading the pair `{pair_name}` (first run only)…")
     try:
         pair = PAIRS.get(pair_name)
         prompt_ids = encode_prompt(pair, prompt, settings)
     except (PairError, ValueError) as exc:
-        raise gr.Error(str(exc)) from None
-    methods = ["sd", "mtad"] + (["ar"] if with_ar else [])
+        yield from refuse(str(exc))
+        return
+    methods = [*RACE] + (["ar"] if with_ar else [])
     record = RunRecord(
         pair=pair_name,
         device=_device_name(pair.device),
@@ -190,27 +383,36 @@ def run(
         settings=settings.to_dict(),
         lanes={m: LaneRecord(method=m, prompt_ids=prompt_ids) for m in methods},
     )
-    last_plot = 0.0
+    stream = Stream()
     try:
-        for rec in run_lanes(pair, record, settings, cancel):
-            now = time.perf_counter()
-            plots = now - last_plot >= PLOT_EVERY or any(
-                lane.state in ("done", "stopped") for lane in rec.lanes.values()
-            )
-            if plots:
-                last_plot = now
+        for rec in run_lanes(pair, record, settings, cancel, interval=LIVE_EVERY):
             running = next((lane for lane in rec.lanes.values() if not lane.finished), None)
-            status = f"{device_text(rec)} · running **{running.label}**…" if running else device_text(rec)
-            yield outputs(rec, status, plots=plots)
+            if running is None:
+                status = device_text(rec)
+            elif cancel.is_set():
+                status = f"{device_text(rec)} · **stopping** after the iteration in progress…"
+            else:
+                status = f"{device_text(rec)} · running **{running.label}**…"
+            yield stream.outputs(rec, status, message=message_html() if not stream.sent else None)
     except torch.cuda.OutOfMemoryError:
         free_device_memory()
-        raise gr.Error(OOM_MESSAGE) from None
-    stopped = any(lane.state == "stopped" for lane in record.lanes.values())
-    tail = " · stopped" if stopped else " · done: press Replay to race the lanes on one time axis"
-    yield outputs(record, device_text(record) + tail, plots=True, final=True)
-    errors = [f"{lane.label}: {lane.error}" for lane in record.lanes.values() if lane.error]
+        yield from refuse(OOM_MESSAGE)
+        return
+    errors = "; ".join(f"{lane.label}: {lane.error}" for lane in record.lanes.values() if lane.error)
+    status = device_text(record) + (" · failed" if errors else run_tail(record))
+    yield stream.outputs(record, status, message=message_html(errors) if errors else None, final=True)
     if errors:
-        raise gr.Error("; ".join(errors))
+        raise gr.Error(errors, visible=False, print_exception=False)
+
+
+def run_tail(record: RunRecord) -> str:
+    """How the run ended, for the status line."""
+    if not any(lane.state == "stopped" for lane in record.lanes.values()):
+        return " · done: press Replay to race the lanes on one time axis"
+    with_steps = [lane for lane in record.lanes.values() if lane.steps]
+    last = with_steps[-1] if with_steps else None
+    where = f" ({last.label} stopped after {len(last.steps)} iterations)" if last and last.state == "stopped" else ""
+    return f" · stopped by Stop{where}"
 
 
 def _device_name(dev: torch.device) -> str:
@@ -232,30 +434,41 @@ def toggle_ar(with_ar: bool) -> dict:
 
 
 def replay(record: RunRecord | None, max_seconds: float = 15.0) -> Iterator[tuple]:
-    """Re-animate every lane on one true time axis (each step appears when its lane's clock reached it)."""
+    """Re-animate every lane, its card and the plots on one true time axis (each step appears when its
+    lane's own clock reached it)."""
     if record is None or not any(lane.steps for lane in record.lanes.values()):
-        raise gr.Error("nothing to replay yet: run a prompt first")
+        message = "nothing to replay yet: run a prompt first"
+        yield message_html(message), f"Not replayed: {message}", *(gr.skip(),) * 6
+        raise gr.Error(message, visible=False, print_exception=False)
     ends = {m: lane.own_seconds() for m, lane in record.lanes.items()}
     total = max((e[-1] for e in ends.values() if e), default=0.0)
     speed = max(1.0, total / max_seconds)
     start = time.perf_counter()
     shown: dict[str, int] = {}
+    last_plot = -math.inf
+    slots = lane_slots(record)
     while True:
         t = (time.perf_counter() - start) * speed
-        upto = {m: sum(1 for x in e if x <= t) for m, e in ends.items()}
-        if upto != shown or t >= total:
+        done = t >= total
+        upto = {m: (len(e) if done else sum(1 for x in e if x <= t)) for m, e in ends.items()}
+        if upto != shown or done:
             shown = upto
             speed_note = "" if speed == 1 else f", ×{speed:.1f} speed"
             status = f"Replay on one time axis: t = {min(t, total):.2f} s of {total:.2f} s (true time{speed_note})"
-            htmls = []
-            for m in LANES:
-                lane = record.lane(m)
-                note = lane_note(m, record.settings)
-                htmls.append(tokens.lane_html(lane, record.prompt, upto=upto.get(m), note=note))
-            yield (status, *htmls)
-        if t >= total:
+            if done:
+                status = f"Replayed on one time axis: {total:.2f} s (true time{speed_note})"
+            lanes = [lane.upto(upto[m]) for m, lane in record.lanes.items()]
+            htmls = [lane_box(record, m, upto=upto.get(m)) if m else lane_box(None, None) for m in slots]
+            now = time.perf_counter()
+            if done or now - last_plot >= PLOT_EVERY:
+                last_plot = now
+                figs = (figures.tokens_vs_seconds(lanes), figures.accepted_per_iteration(lanes))
+            else:
+                figs = (gr.skip(), gr.skip())
+            yield message_html(), status, *htmls, cards.cards_html(lanes), *figs
+        if done:
             return
-        time.sleep(0.05)
+        time.sleep(0.1)
 
 
 # ---------------------------------------------------------------- verification panel
@@ -289,11 +502,18 @@ def verify_lane(record: RunRecord | None, method: str, tau: float) -> tuple:
 
 
 def verify_reset(record: RunRecord | None, method: str) -> tuple:
-    """After a run: the lane's first iteration, judged at the run's own tau."""
+    """After a run: the picked lane (or, when it has no steps, e.g. after a Stop, the last lane that has),
+    its first iteration, judged at the run's own tau."""
     tau = record.settings.get("tau", 0.1) if record else 0.1
+    choices = lane_choices(record)
+    with_steps = [m for _, m in choices if (lane := _lane(record, m)) is not None and lane.steps]
+    if method not in with_steps and with_steps:
+        method = with_steps[-1]
     slider, html, fig = verify_lane(record, method, tau)
-    return slider, gr.update(value=tau), html, fig
+    return gr.update(choices=choices, value=method), slider, gr.update(value=tau), html, fig
 
 
-def lane_choices() -> list[tuple[str, str]]:
-    return [(LABELS["sd"], "sd"), (LABELS["mtad"], "mtad")]
+def lane_choices(record: RunRecord | None = None) -> list[tuple[str, str]]:
+    """The lanes the verification panel can inspect: the raced methods (AR drafts nothing)."""
+    methods = [m for m in record.lanes if m != "ar"] if record else list(RACE)
+    return [(LABELS.get(m, m), m) for m in methods]
