@@ -115,27 +115,18 @@ def build() -> gr.Blocks:
         lanes = [lane_1, lane_2, lane_ar]
         run_outputs = [message, status, *lanes, cards, tokens_plot, accept_plot, energy_plot, energy_note]
         run_outputs += [record, run_json]
+        run_opts = dict(concurrency_limit=1, concurrency_id="device", show_progress="hidden")
+        run_opts["preprocess"] = False  # the handler checks every value itself, naming the field; nothing clamped
         go = run_btn.click(h.arm, None, [message, status, lane_1, lane_2, timer], **private)
-        go = go.then(
-            h.run,
-            run_inputs,
-            run_outputs,
-            api_name="run",
-            concurrency_limit=1,
-            concurrency_id="device",
-            show_progress="hidden",
-            preprocess=False,  # the handler checks every value itself and names the field (nothing clamped)
-        )
+        go = go.then(h.run_page, run_inputs, run_outputs, api_visibility="private", **run_opts)
         go.then(h.verify_reset, [record, v_lane], [v_lane, v_iter, v_tau, v_html, v_plot], **private)
         stop_btn.click(h.stop, None, message, **private)
-        replay_btn.click(
-            h.replay,
-            record,
-            [message, status, *lanes, cards, tokens_plot, accept_plot],
-            api_name="replay",
-            concurrency_limit=4,
-            show_progress="hidden",
-        )
+        replay_outputs = [message, status, *lanes, cards, tokens_plot, accept_plot]
+        replay_btn.click(h.replay_page, record, replay_outputs, api_visibility="private", show_progress="hidden")
+        # the public API: the same work, ending in an error (with the page's words) when refused
+        api_run, api_replay = gr.Button(visible=False), gr.Button(visible=False)
+        api_run.click(h.run, run_inputs, run_outputs, api_name="run", **run_opts)
+        api_replay.click(h.replay, record, replay_outputs, api_name="replay", concurrency_limit=4)
         v_lane.change(h.verify_lane, [record, v_lane, v_tau], [v_iter, v_html, v_plot], **private)
         for widget in (v_iter, v_tau):
             widget.change(h.verify_view, [record, v_lane, v_iter, v_tau], [v_html, v_plot], **private)
@@ -148,7 +139,9 @@ def number(value: float, label: str, bounds: tuple[float, float], elem_id: str) 
     """A number box that states its range and never clamps: out-of-range values reach the handler,
     which refuses them by name (a slider silently pulls a typed 1.5 back to 1)."""
     lo, hi = bounds
-    return gr.Number(value, label=label, info=f"{lo:g} to {hi:g}", elem_id=elem_id)
+    return gr.Number(
+        value, label=label, info=f"{lo:g} to {hi:g}" if isinstance(lo, float) else f"{lo} to {hi}", elem_id=elem_id
+    )
 
 
 demo = build()

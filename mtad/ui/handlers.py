@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -22,8 +23,9 @@ from mtad.ui.waiting import LINE, place_text
 
 log = logging.getLogger(__name__)
 LANES = ("sd", "mtad", "ar")
-PLOT_EVERY = 1.0  # seconds between live plot refreshes
-LIVE_EVERY = 0.25  # seconds between live lane refreshes (a long run must not drown the browser)
+PLOT_EVERY = 2.0  # seconds between plot refreshes in Replay (a live run redraws them when a lane ends)
+LIVE_EVERY = 0.3  # seconds between live lane refreshes (a long run must not drown the browser)
+LIVE_TAIL = 60  # iterations a live lane draws; the whole lane is drawn once it ends
 EMPTY_PROMPT = "the prompt is empty: type some text to continue"
 
 
@@ -219,11 +221,14 @@ def lane_slots(record: RunRecord | None) -> list[str | None]:
     return [*(methods + [None, None])[:2], "ar" if "ar" in record.lanes else None]
 
 
-def lane_box(record: RunRecord | None, method: str | None, upto: int | None = None) -> str:
-    """One lane box's HTML: the lane, or its titled placeholder."""
+def lane_box(record: RunRecord | None, method: str | None, upto: int | None = None, live: bool = False) -> str:
+    """One lane box's HTML: the lane (a live one drawn from its last ``LIVE_TAIL`` iterations), or its
+    titled placeholder."""
     if record is None or method is None or record.lane(method) is None:
         return tokens.placeholder_html(method, "Press Run to generate.")
-    return tokens.lane_html(record.lane(method), record.prompt, upto=upto, note=lane_note(method, record.settings))
+    lane = record.lane(method)
+    tail = LIVE_TAIL if live and not (lane.finished and upto is None) else None
+    return tokens.lane_html(lane, record.prompt, upto=upto, note=lane_note(method, record.settings), tail=tail)
 
 
 def plots(lanes: list[LaneRecord]) -> tuple:
@@ -238,35 +243,37 @@ def plots(lanes: list[LaneRecord]) -> tuple:
 
 
 class Stream:
-    """Turns a filling run into page updates: only lanes that changed, plots at most every ``plot_every`` s.
+    """Turns a filling run into page updates: only lanes that changed, each drawn from its last
+    iterations, and the plots only when a lane ends (or every ``plot_every`` seconds, when given).
 
-    A long run re-sent whole every tenth of a second kept the browser so busy that a click on Stop took
-    seconds to go out; unchanged lanes are skipped and the big figures are rate-limited.
+    Measured in headless Chromium on the 2-core test machine: re-sending whole lanes every tenth of a
+    second, and plotly redrawing thousand-bar charts every half second, blocked the browser for seconds at
+    a time, so a click on Stop took seconds to go out.
     """
 
-    def __init__(self, plot_every: float = PLOT_EVERY) -> None:
+    def __init__(self, plot_every: float = math.inf) -> None:
         self.plot_every = plot_every
         self.sent: dict[str, tuple] = {}
-        self.last_plot = -math.inf
+        self.last_plot = time.perf_counter()
 
     def outputs(self, record: RunRecord, status: str, message: str | None = None, final: bool = False) -> tuple:
         """The run event's outputs, in the order app.py lists them."""
         slots = lane_slots(record)
         htmls = []
-        changed = False
+        changed = ended = False
         for m in slots:
             lane = record.lane(m) if m else None
             sig = (len(lane.steps), lane.state, lane.error) if lane else None
             if final or self.sent.get(m or "") != sig:
                 self.sent[m or ""] = sig
-                htmls.append(lane_box(record, m))
+                htmls.append(lane_box(record, m, live=not final))
                 changed = True
+                ended = ended or (lane is not None and lane.finished)
             else:
                 htmls.append(gr.skip())
         lanes = list(record.lanes.values())
         now = time.perf_counter()
-        finished = any(lane.finished for lane in lanes) and changed
-        if final or (changed and (now - self.last_plot >= self.plot_every or finished)):
+        if final or ended or (changed and now - self.last_plot >= self.plot_every):
             self.last_plot = now
             plot_out = plots(lanes)
         else:
@@ -308,13 +315,19 @@ def check_run(prompt: object, pair_name: object, with_ar: object, values: dict) 
     return parse_settings(**values)
 
 
-def refuse(message: str) -> Iterator[tuple]:
-    """Show why a run did not start (it stays on the page), then fail the event for API clients.
+class Refused(Exception):
+    """A run that did not start or failed, with the message the page already shows."""
 
-    The error is raised invisibly: the page already shows the message where the visitor looks.
-    """
+
+def refuse(message: str) -> Iterator[tuple]:
+    """Show why a run did not start (it stays on the page, the old status replaced), then end the event."""
     yield blank_outputs(message_html(message), f"Not run: {escape(message)}")
-    raise gr.Error(message, visible=False, print_exception=False)
+    raise Refused(message)
+
+
+def api_error(exc: Refused) -> gr.Error:
+    """The API's form of a refusal: the same words, as an error the client raises."""
+    return gr.Error(str(exc), print_exception=False)
 
 
 def run(
@@ -332,37 +345,53 @@ def run(
     with_ar: bool,
     request: gr.Request,
 ) -> Iterator[tuple]:
-    """Generate with each raced method, one after another (then AR if asked), streaming the lanes."""
-    session = _session(request)
+    """The API's run: generate with each raced method, one after another (then AR if asked), streaming
+    the lanes; a refusal or a failed lane ends the job with an error naming the field or the lane."""
+    values = dict(locals())
+    values.pop("request")
+    try:
+        yield from _run(_session(request), values)
+    except Refused as exc:
+        raise api_error(exc) from None
+
+
+def run_page(
+    prompt: str,
+    pair_name: str,
+    tau: float,
+    beams: int,
+    gamma: int,
+    max_new_tokens: int,
+    greedy: bool,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    seed: int,
+    with_ar: bool,
+    request: gr.Request,
+) -> Iterator[tuple]:
+    """The page's run: as :func:`run`, but a refusal only stays in the message area (no error badge or
+    toast that hides the message and leaves the old status behind)."""
+    values = dict(locals())
+    values.pop("request")
+    with contextlib.suppress(Refused):
+        yield from _run(_session(request), values)
+
+
+def _run(session: str, values: dict) -> Iterator[tuple]:
     LINE.start(session)
     try:
-        yield from _run(
-            session,
-            prompt,
-            pair_name,
-            with_ar,
-            dict(
-                tau=tau,
-                beams=beams,
-                gamma=gamma,
-                max_new_tokens=max_new_tokens,
-                greedy=greedy,
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
-                seed=seed,
-            ),
-        )
+        yield from _generate(session, values)
     finally:
         LINE.leave(session)
 
 
-def _run(session: str, prompt: object, pair_name: object, with_ar: object, values: dict) -> Iterator[tuple]:
+def _generate(session: str, values: dict) -> Iterator[tuple]:
+    prompt, pair_name, with_ar = values.pop("prompt"), values.pop("pair_name"), values.pop("with_ar")
     try:
         settings = check_run(prompt, pair_name, with_ar, values)
     except ValueError as exc:
         yield from refuse(str(exc))
-        return
     cancel = CANCELS.take(session)
     if cancel.is_set():
         yield blank_outputs(message_html("Stopped while waiting in the queue.", kind="stop"), "Stopped before start.")
@@ -374,7 +403,6 @@ def _run(session: str, prompt: object, pair_name: object, with_ar: object, value
         prompt_ids = encode_prompt(pair, prompt, settings)
     except (PairError, ValueError) as exc:
         yield from refuse(str(exc))
-        return
     methods = [*RACE] + (["ar"] if with_ar else [])
     record = RunRecord(
         pair=pair_name,
@@ -397,12 +425,11 @@ def _run(session: str, prompt: object, pair_name: object, with_ar: object, value
     except torch.cuda.OutOfMemoryError:
         free_device_memory()
         yield from refuse(OOM_MESSAGE)
-        return
     errors = "; ".join(f"{lane.label}: {lane.error}" for lane in record.lanes.values() if lane.error)
     status = device_text(record) + (" · failed" if errors else run_tail(record))
     yield stream.outputs(record, status, message=message_html(errors) if errors else None, final=True)
     if errors:
-        raise gr.Error(errors, visible=False, print_exception=False)
+        raise Refused(errors)
 
 
 def run_tail(record: RunRecord) -> str:
@@ -433,13 +460,26 @@ def toggle_ar(with_ar: bool) -> dict:
 # ---------------------------------------------------------------- replay
 
 
-def replay(record: RunRecord | None, max_seconds: float = 15.0) -> Iterator[tuple]:
-    """Re-animate every lane, its card and the plots on one true time axis (each step appears when its
-    lane's own clock reached it)."""
+def replay(record: RunRecord | None) -> Iterator[tuple]:
+    """The API's replay: :func:`replay_page`, with an error when there is nothing to replay."""
+    try:
+        yield from _replay(record)
+    except Refused as exc:
+        raise api_error(exc) from None
+
+
+def replay_page(record: RunRecord | None) -> Iterator[tuple]:
+    """Re-animate every lane, its card and the plots on one true time axis."""
+    with contextlib.suppress(Refused):
+        yield from _replay(record)
+
+
+def _replay(record: RunRecord | None, max_seconds: float = 15.0) -> Iterator[tuple]:
+    """Each step appears when its lane's own clock reached it (sped up to last at most ``max_seconds``)."""
     if record is None or not any(lane.steps for lane in record.lanes.values()):
         message = "nothing to replay yet: run a prompt first"
         yield message_html(message), f"Not replayed: {message}", *(gr.skip(),) * 6
-        raise gr.Error(message, visible=False, print_exception=False)
+        raise Refused(message)
     ends = {m: lane.own_seconds() for m, lane in record.lanes.items()}
     total = max((e[-1] for e in ends.values() if e), default=0.0)
     speed = max(1.0, total / max_seconds)
@@ -458,7 +498,7 @@ def replay(record: RunRecord | None, max_seconds: float = 15.0) -> Iterator[tupl
             if done:
                 status = f"Replayed on one time axis: {total:.2f} s (true time{speed_note})"
             lanes = [lane.upto(upto[m]) for m, lane in record.lanes.items()]
-            htmls = [lane_box(record, m, upto=upto.get(m)) if m else lane_box(None, None) for m in slots]
+            htmls = [lane_box(record, m, upto=upto.get(m), live=not done) if m else lane_box(None, None) for m in slots]
             now = time.perf_counter()
             if done or now - last_plot >= PLOT_EVERY:
                 last_plot = now

@@ -77,15 +77,29 @@ def step_html(step: Step, appended: list[str], rejected: list[str]) -> str:
     return f'<span class="it it-{parity}" data-it="{step.index}">{"".join(out)}</span>'
 
 
-def lane_html(lane: LaneRecord | None, prompt: str, upto: int | None = None, note: str = "") -> str:
-    """A lane box: its title, state, counts, the prompt (muted) and its first ``upto`` steps."""
+def lane_html(
+    lane: LaneRecord | None, prompt: str, upto: int | None = None, note: str = "", tail: int | None = None
+) -> str:
+    """A lane box: its title, state, counts, the prompt (muted) and its first ``upto`` steps.
+
+    With ``tail``, only the last ``tail`` of those steps are drawn (a live lane: the browser re-draws
+    it at every update, so its cost must not grow with the length of the run); the rest is counted.
+    """
     if lane is None:
         return placeholder_html(None, "Press Run to generate.")
     n = len(lane.steps) if upto is None else min(upto, len(lane.steps))
     tokens = sum(len(s.appended_ids) for s in lane.steps[:n])
     state = lane.state if upto is None or n == len(lane.steps) else "running"
     badge = STATE_BADGES.get(state, state)
-    body = "".join(step_html(lane.steps[i], lane.appended_pieces[i], lane.rejected_pieces[i]) for i in range(n))
+    first = max(0, n - tail) if tail is not None else 0
+    body = "".join(step_html(lane.steps[i], lane.appended_pieces[i], lane.rejected_pieces[i]) for i in range(first, n))
+    if first:
+        hidden = sum(len(s.appended_ids) for s in lane.steps[:first])
+        body = (
+            f'<span class="lane-elided">… {hidden} earlier tokens ({first} iterations), shown in full when the '
+            f"lane ends …</span>{body}"
+        )
+        prompt = ""
     error = f'<div class="lane-error">{escape(lane.error)}</div>' if lane.error else ""
     extra = f'<span class="lane-note">{escape(note)}</span>' if note else ""
     return (
