@@ -74,13 +74,9 @@ def main() -> int:
         show(page, "#status", OUT / "run.png")
 
         page.wait_for_selector("#v-panel .v-eta", timeout=60_000)
-        kept = page.evaluate(  # an iteration whose table shows a failing prefix kept inside a passing one
-            """async () => {
-                const n = parseInt(document.querySelector('#v-iter input[type=number]').max || '1');
-                return n;
-            }"""
-        )
-        for it in range(1, min(kept, 40) + 1):
+        iterations = int(page.locator("#v-iter input[type=number]").get_attribute("max") or 1)
+        # prefer an iteration whose table shows a failing prefix kept inside a longer passing one
+        for it in range(1, min(iterations, 40) + 1):
             set_number(page, "v-iter", it)
             page.wait_for_function(
                 f"document.querySelector('#v-panel').innerText.includes('iteration {it} of')", timeout=30_000
