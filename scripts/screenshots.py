@@ -68,7 +68,7 @@ def main() -> int:
 
         set_number(page, "max-new", args.max_new)
         page.locator("#run-btn").click()
-        for lane in ("sd", "mtad"):
+        for lane in ("left", "right"):
             page.wait_for_selector(f'#lane-{lane} .mtad-lane[data-state="done"]', timeout=600_000)
         page.wait_for_selector("#plot-tokens .js-plotly-plot .main-svg", timeout=60_000)
         show(page, "#status", OUT / "run.png")

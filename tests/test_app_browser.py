@@ -70,8 +70,8 @@ def set_number(page, elem_id: str, value: object) -> None:
 def run_prompt(page, prompt: str, timeout: float = 120_000) -> None:
     page.locator("#prompt textarea").fill(prompt)
     page.locator("#run-btn").click()
-    page.wait_for_selector(DONE.format("sd"), timeout=timeout)
-    page.wait_for_selector(DONE.format("mtad"), timeout=timeout)
+    page.wait_for_selector(DONE.format("left"), timeout=timeout)
+    page.wait_for_selector(DONE.format("right"), timeout=timeout)
 
 
 def test_run_both_lanes_verify_and_replay(page):
@@ -125,8 +125,8 @@ def test_run_both_lanes_verify_and_replay(page):
     # Replay re-animates both lanes on one time axis
     page.locator("#replay-btn").click()
     page.wait_for_function("document.querySelector('#status').innerText.includes('Replay on one time axis')")
-    page.wait_for_selector(DONE.format("sd"), timeout=60_000)
-    page.wait_for_selector(DONE.format("mtad"), timeout=60_000)
+    page.wait_for_selector(DONE.format("left"), timeout=60_000)
+    page.wait_for_selector(DONE.format("right"), timeout=60_000)
 
 
 def message_text(page) -> str:
@@ -156,10 +156,13 @@ def test_empty_prompt_error_stays_on_the_page(page):
         ("beams", "0", "beams W must be an integer from 1 to 16; got 0"),
         ("beams", "", "beams W is empty: give an integer from 1 to 16"),
         ("seed", "-5", "seed must be an integer from 0 to 2147483647; got -5"),
+        ("num-drafts", "9", "drafts m must be an integer from 1 to 8; got 9"),
+        ("tau2", "-1", "τ2 (BiLD rollback, nats) must be a number from 0 to 10; got -1"),
     ],
 )
 def test_out_of_range_value_is_refused_by_name_not_clamped(page, elem_id, value, message):
     page.get_by_text("Sampling").click()
+    page.get_by_text("Other decoders (Spectr, SpecInfer, BiLD)").click()
     box = page.locator(f"#{elem_id} input[type=number]")
     box.fill(value)
     box.blur()
@@ -170,6 +173,39 @@ def test_out_of_range_value_is_refused_by_name_not_clamped(page, elem_id, value,
     assert page.locator("#lane-left .tok").count() == 0  # nothing ran
     if elem_id == "tau":
         page.screenshot(path=str(OUT / "app_out_of_range.png"))
+
+
+def pick(page, elem_id: str, label: str) -> None:
+    """Choose ``label`` in a dropdown, as a visitor does."""
+    page.locator(f"#{elem_id} input").click()
+    page.get_by_role("option", name=label, exact=True).click()
+
+
+def test_visitor_races_two_other_decoders(page):
+    """Spectr against MTAD: titled lanes before the run, both lanes run, the panel lists Spectr's candidates."""
+    pick(page, "left-method", "Spectr")
+    page.wait_for_selector('#lane-left .mtad-lane[data-method="spectr"]', timeout=30_000)  # retitled before Run
+    assert "Spectr" in page.locator("#lane-left .lane-title").inner_text()
+    page.get_by_text("Other decoders (Spectr, SpecInfer, BiLD)").click()
+    set_number(page, "num-drafts", 3)
+    set_number(page, "max-new", 24)
+    run_prompt(page, "abc def abc bad")
+    assert page.locator('#lane-left .mtad-lane[data-method="spectr"]').count() == 1
+    assert page.locator('#lane-right .mtad-lane[data-method="mtad"]').count() == 1
+    assert "m = 3" in page.locator("#lane-left .lane-note").inner_text()
+    page.get_by_label("Spectr", exact=True).check()  # the verification panel offers the raced decoders
+    page.wait_for_function("document.querySelector('#v-panel').innerText.includes('All 3 candidates')")
+    assert page.locator("#v-panel tr.beam-chosen").count() == 1
+    page.locator("#v-panel").scroll_into_view_if_needed()
+    page.screenshot(path=str(OUT / "app_spectr_race.png"), full_page=True)
+
+    # the same decoder twice is refused by name, and the lanes keep their titles
+    pick(page, "right-method", "Spectr")
+    page.locator("#run-btn").click()
+    page.wait_for_function(
+        "document.querySelector('#message').innerText.includes('pick two different decoders')", timeout=30_000
+    )
+    assert page.locator("#status").inner_text().startswith("Not run:")
 
 
 def test_script_prompt_shows_as_text(page):
@@ -286,7 +322,7 @@ def test_a_waiting_visitor_sees_their_place_in_the_queue(browser, server, page, 
     # for it to settle: send the click event itself); the second run starts by itself
     monkeypatch.undo()  # the waiting run decodes for real (the running one keeps its endless decoder)
     page.locator("#stop-btn").dispatch_event("click")
-    second.wait_for_selector(DONE.format("mtad"), timeout=120_000)
+    second.wait_for_selector(DONE.format("right"), timeout=120_000)
     assert "number 2" not in second.locator("#status").inner_text()
     assert second.locator('.mtad-lane[data-state="line"]').count() == 0
     ctx.close()
