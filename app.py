@@ -12,11 +12,24 @@ from pathlib import Path
 
 import gradio as gr
 
+from mtad.ui import availability
 from mtad.ui import handlers as h
 from mtad.ui.explain import EXPLAIN, INTRO
-from mtad.ui.inputs import BEAMS_RANGE, DEFAULTS, DRAFTS_RANGE, GAMMA_RANGE, MAX_NEW_RANGE, TOP_K_RANGE, example_prompts
+from mtad.ui.inputs import (
+    BEAMS_RANGE,
+    DEFAULTS,
+    DRAFTS_RANGE,
+    GAMMA_RANGE,
+    MAX_NEW_RANGE,
+    SEED_RANGE,
+    TAU1_RANGE,
+    TAU2_RANGE,
+    TAU_RANGE,
+    TEMPERATURE_RANGE,
+    TOP_K_RANGE,
+)
 from mtad.ui.record import LABELS
-from mtad.ui.tokens import lane_html, legend_html
+from mtad.ui.tokens import legend_html
 
 CSS = (Path(__file__).resolve().parent / "assets" / "app.css").read_text()
 THEME = gr.themes.Soft(primary_hue="blue", neutral_hue="slate")
@@ -25,11 +38,14 @@ QUEUE_SIZE = int(os.environ.get("MTAD_QUEUE_SIZE", "16"))
 
 def build() -> gr.Blocks:
     """The page: inputs, two (or three) lanes, summary cards, plots, the verification panel."""
+    availability.start_hub_probe()
     default_pair = h.default_pair()
-    first_examples = example_prompts(h.presets().get(default_pair))
+    first_examples = h.pair_examples(default_pair)
     first_prompt = first_examples[0][1] if first_examples else ""
+    private = {"queue": False, "api_visibility": "private"}
     with gr.Blocks(title="MTAD vs speculative decoding") as demo:
         record = gr.State(None)
+        timer = gr.Timer(1.0, active=False)
         gr.Markdown(INTRO)
         gr.Markdown(f"This server decodes on: **{h.server_device()}**", elem_classes="device-line")
         with gr.Row():
@@ -42,89 +58,107 @@ def build() -> gr.Blocks:
                     elem_id="prompt",
                 )
                 with gr.Row():
-                    pair = gr.Dropdown(h.pair_choices(), value=default_pair, label="Model pair", scale=1)
+                    pair = gr.Dropdown(
+                        h.pair_choices(), value=default_pair, label="Model pair", scale=1, elem_id="pair"
+                    )
                     examples = gr.Dropdown(first_examples, value=first_prompt or None, label="Example prompts", scale=2)
-                pair_info = gr.Markdown(h.pair_info(default_pair))
+                pair_info = gr.Markdown(h.pair_info(default_pair), elem_id="pair-info")
                 with gr.Row():
                     run_btn = gr.Button("Run", variant="primary", elem_id="run-btn")
                     stop_btn = gr.Button("Stop", variant="stop", elem_id="stop-btn")
                     replay_btn = gr.Button("Replay", elem_id="replay-btn")
+                message = gr.HTML(h.message_html(), label="message", elem_id="message")
                 with gr.Row():
                     racers = [(LABELS[m], m) for m in h.RACERS]
-                    left = gr.Dropdown(racers, value="sd", label="Left lane", elem_id="left-method")
-                    right = gr.Dropdown(racers, value="mtad", label="Right lane", elem_id="right-method")
+                    first, second = h.DEFAULT_RACE
+                    left = gr.Dropdown(racers, value=first, label="Left lane", elem_id="left-method")
+                    right = gr.Dropdown(racers, value=second, label="Right lane", elem_id="right-method")
                 with_ar = gr.Checkbox(False, label="Add an autoregressive (AR) baseline lane")
             with gr.Column(scale=2):
-                tau = gr.Slider(0, 1, value=DEFAULTS.tau, step=0.01, label="τ (MTAD threshold)")
-                beams = gr.Slider(*BEAMS_RANGE, value=DEFAULTS.beams, step=1, label="beams W (MTAD)")
-                gamma = gr.Slider(*GAMMA_RANGE, value=DEFAULTS.gamma, step=1, label="draft length γ", elem_id="gamma")
-                max_new = gr.Slider(
-                    *MAX_NEW_RANGE, value=DEFAULTS.max_new_tokens, step=1, label="max new tokens", elem_id="max-new"
-                )
+                with gr.Row():
+                    tau = number(DEFAULTS.tau, "τ (MTAD threshold)", TAU_RANGE, "tau")
+                    beams = number(DEFAULTS.beams, "beams W", BEAMS_RANGE, "beams")
+                with gr.Row():
+                    gamma = number(DEFAULTS.gamma, "draft length γ", GAMMA_RANGE, "gamma")
+                    max_new = number(DEFAULTS.max_new_tokens, "max new tokens", MAX_NEW_RANGE, "max-new")
                 with gr.Accordion("Other decoders (Spectr, SpecInfer, BiLD)", open=False):
-                    num_drafts = gr.Slider(*DRAFTS_RANGE, value=DEFAULTS.num_drafts, step=1, label="drafts m")
-                    tau1 = gr.Slider(0, 1, value=DEFAULTS.tau1, step=0.01, label="τ1 (BiLD fallback)")
-                    tau2 = gr.Slider(0, 10, value=DEFAULTS.tau2, step=0.1, label="τ2 (BiLD rollback, nats)")
+                    num_drafts = number(DEFAULTS.num_drafts, "drafts m", DRAFTS_RANGE, "num-drafts")
+                    with gr.Row():
+                        tau1 = number(DEFAULTS.tau1, "τ1 (BiLD fallback)", TAU1_RANGE, "tau1")
+                        tau2 = number(DEFAULTS.tau2, "τ2 (BiLD rollback, nats)", TAU2_RANGE, "tau2")
                 with gr.Accordion("Sampling", open=False):
-                    greedy = gr.Checkbox(DEFAULTS.greedy, label="greedy (argmax everywhere)")
-                    temperature = gr.Slider(0, 2, value=DEFAULTS.temperature, step=0.05, label="temperature")
-                    top_k = gr.Slider(*TOP_K_RANGE, value=DEFAULTS.top_k, step=1, label="top-k (0 = off)")
-                    top_p = gr.Slider(0.01, 1, value=DEFAULTS.top_p, step=0.01, label="top-p")
-                    seed = gr.Number(DEFAULTS.seed, precision=0, label="seed", minimum=0)
-        status = gr.Markdown("", elem_id="status")
+                    greedy = gr.Checkbox(DEFAULTS.greedy, label="greedy (argmax everywhere)", elem_id="greedy")
+                    with gr.Row():
+                        temperature = number(DEFAULTS.temperature, "temperature", TEMPERATURE_RANGE, "temperature")
+                        top_k = number(DEFAULTS.top_k, "top-k (0 = off)", TOP_K_RANGE, "top-k")
+                    with gr.Row():
+                        top_p = gr.Number(DEFAULTS.top_p, label="top-p", info="above 0, at most 1", elem_id="top-p")
+                        seed = number(DEFAULTS.seed, "seed", SEED_RANGE, "seed")
+        status = gr.Markdown(
+            "Nothing run yet: pick or type a prompt and press **Run**.", label="status", elem_id="status"
+        )
         gr.HTML(legend_html())
         with gr.Row(equal_height=True):
-            lane_sd = gr.HTML(lane_html(None, ""), elem_id="lane-sd")
-            lane_mtad = gr.HTML(lane_html(None, ""), elem_id="lane-mtad")
-        lane_ar = gr.HTML(lane_html(None, ""), elem_id="lane-ar", visible=False)
-        cards = gr.HTML(elem_id="cards")
+            lane_1 = gr.HTML(h.lane_box(None, h.DEFAULT_RACE[0]), label="lane_1", elem_id="lane-left")
+            lane_2 = gr.HTML(h.lane_box(None, h.DEFAULT_RACE[1]), label="lane_2", elem_id="lane-right")
+        lane_ar = gr.HTML(h.lane_box(None, "ar"), label="lane_ar", elem_id="lane-ar", visible=False)
+        cards = gr.HTML(label="cards", elem_id="cards")
         with gr.Row():
             tokens_plot = gr.Plot(label="Tokens vs seconds", elem_id="plot-tokens")
             accept_plot = gr.Plot(label="Accepted per iteration", elem_id="plot-accepted")
         energy_plot = gr.Plot(label="Power and energy", visible=False, elem_id="plot-energy")
-        energy_note = gr.HTML(elem_id="energy-note")
+        energy_note = gr.HTML(label="energy_note", elem_id="energy-note")
         gr.Markdown("## Verification panel\nPick an iteration of either lane; move τ to re-judge its recorded draft.")
         with gr.Row():
-            v_lane = gr.Radio(h.lane_choices(), value="mtad", label="Lane", scale=1)
+            v_lane = gr.Radio(h.lane_choices(), value=h.DEFAULT_RACE[-1], label="Lane", scale=1, elem_id="v-lane")
             v_iter = gr.Slider(1, 2, value=1, step=1, label="Iteration", scale=2, elem_id="v-iter")
             v_tau = gr.Slider(0, 1, value=DEFAULTS.tau, step=0.01, label="τ to judge with", scale=2, elem_id="v-tau")
         with gr.Row():
-            v_html = gr.HTML(h.verify_view(None, "mtad", 1, DEFAULTS.tau)[0], elem_id="v-panel")
+            v_html = gr.HTML(h.verify_view(None, h.DEFAULT_RACE[-1], 1, DEFAULTS.tau)[0], elem_id="v-panel")
             v_plot = gr.Plot(label="Verification", elem_id="v-plot")
         gr.Markdown(EXPLAIN)
         with gr.Accordion("Run data (JSON: settings, metrics, every step)", open=False):
-            run_json = gr.JSON()
+            run_json = gr.JSON(label="run_data")
 
-        pair.change(h.on_pair_change, pair, [pair_info, examples], queue=False)
-        examples.change(h.on_example, examples, prompt, queue=False)
-        with_ar.change(h.toggle_ar, with_ar, lane_ar, queue=False)
+        demo.load(h.pair_dropdown, pair, pair, **private)
+        pair.change(h.on_pair_change, [pair, prompt], [pair_info, examples, prompt], **private)
+        examples.input(h.on_example, examples, prompt, **private)
+        with_ar.change(h.toggle_ar, with_ar, lane_ar, **private)
+        timer.tick(h.waiting_tick, [left, right], [status, lane_1, lane_2, timer], **private)
+        for picker in (left, right):
+            picker.change(h.on_race_change, [record, left, right], [lane_1, lane_2], **private)
         run_inputs = [prompt, pair, tau, beams, gamma, max_new, greedy, temperature, top_k, top_p, seed, with_ar]
         run_inputs += [left, right, num_drafts, tau1, tau2]
-        run_outputs = [status, lane_sd, lane_mtad, lane_ar, cards, tokens_plot, accept_plot, energy_plot]
-        run_outputs += [energy_note, record, run_json]
-        go = run_btn.click(h.arm, None, None, queue=False, api_name=False)
-        go = go.then(
-            h.run,
-            run_inputs,
-            run_outputs,
-            api_name="run",
-            concurrency_limit=1,
-            concurrency_id="device",
-            show_progress_on=[status],
-        )
-        go.then(
-            h.verify_reset_lanes, [record, v_lane], [v_lane, v_iter, v_tau, v_html, v_plot], queue=False, api_name=False
-        )
-        stop_btn.click(h.stop, None, None, queue=False, api_name=False)
-        replay_btn.click(
-            h.replay, record, [status, lane_sd, lane_mtad, lane_ar], api_name="replay", concurrency_limit=4
-        )
-        v_lane.change(h.verify_lane, [record, v_lane, v_tau], [v_iter, v_html, v_plot], queue=False, api_name=False)
+        lanes = [lane_1, lane_2, lane_ar]
+        run_outputs = [message, status, *lanes, cards, tokens_plot, accept_plot, energy_plot, energy_note]
+        run_outputs += [record, run_json]
+        run_opts = dict(concurrency_limit=1, concurrency_id="device", show_progress="hidden")
+        run_opts["preprocess"] = False  # the handler checks every value itself, naming the field; nothing clamped
+        go = run_btn.click(h.arm, [left, right], [message, status, lane_1, lane_2, timer], **private)
+        go = go.then(h.run_page, run_inputs, run_outputs, api_visibility="private", **run_opts)
+        go.then(h.verify_reset, [record, v_lane], [v_lane, v_iter, v_tau, v_html, v_plot], **private)
+        stop_btn.click(h.stop, None, message, **private)
+        replay_outputs = [message, status, *lanes, cards, tokens_plot, accept_plot]
+        replay_btn.click(h.replay_page, record, replay_outputs, api_visibility="private", show_progress="hidden")
+        # the public API: the same work, ending in an error (with the page's words) when refused
+        api_run, api_replay = gr.Button(visible=False), gr.Button(visible=False)
+        api_run.click(h.run, run_inputs, run_outputs, api_name="run", **run_opts)
+        api_replay.click(h.replay, record, replay_outputs, api_name="replay", concurrency_limit=4)
+        v_lane.change(h.verify_lane, [record, v_lane, v_tau], [v_iter, v_html, v_plot], **private)
         for widget in (v_iter, v_tau):
-            widget.change(h.verify_view, [record, v_lane, v_iter, v_tau], [v_html, v_plot], queue=False, api_name=False)
+            widget.change(h.verify_view, [record, v_lane, v_iter, v_tau], [v_html, v_plot], **private)
         demo.unload(h.unload)
     demo.queue(max_size=QUEUE_SIZE, default_concurrency_limit=1)
     return demo
+
+
+def number(value: float, label: str, bounds: tuple[float, float], elem_id: str) -> gr.Number:
+    """A number box that states its range and never clamps: out-of-range values reach the handler,
+    which refuses them by name (a slider silently pulls a typed 1.5 back to 1)."""
+    lo, hi = bounds
+    return gr.Number(
+        value, label=label, info=f"{lo:g} to {hi:g}" if isinstance(lo, float) else f"{lo} to {hi}", elem_id=elem_id
+    )
 
 
 demo = build()

@@ -70,8 +70,8 @@ def set_number(page, elem_id: str, value: object) -> None:
 def run_prompt(page, prompt: str, timeout: float = 120_000) -> None:
     page.locator("#prompt textarea").fill(prompt)
     page.locator("#run-btn").click()
-    page.wait_for_selector(DONE.format("sd"), timeout=timeout)
-    page.wait_for_selector(DONE.format("mtad"), timeout=timeout)
+    page.wait_for_selector(DONE.format("left"), timeout=timeout)
+    page.wait_for_selector(DONE.format("right"), timeout=timeout)
 
 
 def test_run_both_lanes_verify_and_replay(page):
@@ -82,18 +82,18 @@ def test_run_both_lanes_verify_and_replay(page):
     run_prompt(page, "abc def abc bad")
 
     # coloured accepted / target tokens and struck-through rejected ones, with p and q on hover
-    lanes = page.locator("#lane-sd, #lane-mtad")
+    lanes = page.locator("#lane-left, #lane-right")
     for cls in ("tok-acc", "tok-tgt", "tok-rej"):
         assert lanes.locator(f".{cls}").count() > 0, cls
     styles = page.evaluate(
         """() => ['tok-acc', 'tok-tgt', 'tok-rej'].map(c => {
-            const s = getComputedStyle(document.querySelector('#lane-mtad .' + c) || document.querySelector('.' + c));
+            const s = getComputedStyle(document.querySelector('#lane-right .' + c) || document.querySelector('.' + c));
             return [s.backgroundColor, s.textDecorationLine];
         })"""
     )
     assert len({bg for bg, _ in styles}) == 3, styles
     assert "line-through" in styles[2][1] and "line-through" not in styles[0][1]
-    title = page.locator("#lane-mtad .tok-acc, #lane-sd .tok-acc").first.get_attribute("title")
+    title = page.locator("#lane-right .tok-acc, #lane-left .tok-acc").first.get_attribute("title")
     assert re.search(r"p [\d.e-]+ · q [\d.e-]+", title), title
 
     # the plots are drawn
@@ -125,28 +125,97 @@ def test_run_both_lanes_verify_and_replay(page):
     # Replay re-animates both lanes on one time axis
     page.locator("#replay-btn").click()
     page.wait_for_function("document.querySelector('#status').innerText.includes('Replay on one time axis')")
-    page.wait_for_selector(DONE.format("sd"), timeout=60_000)
-    page.wait_for_selector(DONE.format("mtad"), timeout=60_000)
+    page.wait_for_selector(DONE.format("left"), timeout=60_000)
+    page.wait_for_selector(DONE.format("right"), timeout=60_000)
 
 
-def test_empty_prompt_shows_the_error(page):
+def message_text(page) -> str:
+    return page.locator("#message").inner_text()
+
+
+def test_empty_prompt_error_stays_on_the_page(page):
     page.locator("#prompt textarea").fill("   ")
     page.locator("#run-btn").click()
-    toast = page.get_by_text("the prompt is empty").first
-    toast.wait_for(state="visible", timeout=30_000)
-    page.wait_for_timeout(600)  # let the toast finish sliding in
-    assert page.locator('#lane-sd .mtad-lane[data-state="running"]').count() == 0
+    page.wait_for_function("document.querySelector('#message').innerText.includes('the prompt is empty')")
+    page.wait_for_timeout(4000)  # a toast would be gone by now; the message stays
+    assert page.locator("#message .mtad-message-error").is_visible()
+    assert "the prompt is empty" in message_text(page)
+    assert page.locator("#status").inner_text().startswith("Not run: the prompt is empty")
+    assert page.locator('#lane-left .mtad-lane[data-state="running"]').count() == 0
     page.screenshot(path=str(OUT / "app_empty_prompt.png"))
+    # the next Run clears it
+    set_number(page, "max-new", 4)
+    run_prompt(page, "abc")
+    assert message_text(page).strip() == ""
+
+
+@pytest.mark.parametrize(
+    "elem_id, value, message",
+    [
+        ("tau", "1.5", "τ (MTAD threshold) must be a number from 0 to 1; got 1.5"),
+        ("beams", "0", "beams W must be an integer from 1 to 16; got 0"),
+        ("beams", "", "beams W is empty: give an integer from 1 to 16"),
+        ("seed", "-5", "seed must be an integer from 0 to 2147483647; got -5"),
+        ("num-drafts", "9", "drafts m must be an integer from 1 to 8; got 9"),
+        ("tau2", "-1", "τ2 (BiLD rollback, nats) must be a number from 0 to 10; got -1"),
+    ],
+)
+def test_out_of_range_value_is_refused_by_name_not_clamped(page, elem_id, value, message):
+    page.get_by_text("Sampling").click()
+    page.get_by_text("Other decoders (Spectr, SpecInfer, BiLD)").click()
+    box = page.locator(f"#{elem_id} input[type=number]")
+    box.fill(value)
+    box.blur()
+    page.locator("#run-btn").click()
+    page.wait_for_function(f"document.querySelector('#message').innerText.includes({message!r})", timeout=30_000)
+    assert box.input_value() == value  # what the visitor typed is still there, not pulled into range
+    assert page.locator("#status").inner_text().startswith("Not run:")
+    assert page.locator("#lane-left .tok").count() == 0  # nothing ran
+    if elem_id == "tau":
+        page.screenshot(path=str(OUT / "app_out_of_range.png"))
+
+
+def pick(page, elem_id: str, label: str) -> None:
+    """Choose ``label`` in a dropdown, as a visitor does."""
+    page.locator(f"#{elem_id} input").click()
+    page.get_by_role("option", name=label, exact=True).click()
+
+
+def test_visitor_races_two_other_decoders(page):
+    """Spectr against MTAD: titled lanes before the run, both lanes run, the panel lists Spectr's candidates."""
+    pick(page, "left-method", "Spectr")
+    page.wait_for_selector('#lane-left .mtad-lane[data-method="spectr"]', timeout=30_000)  # retitled before Run
+    assert "Spectr" in page.locator("#lane-left .lane-title").inner_text()
+    page.get_by_text("Other decoders (Spectr, SpecInfer, BiLD)").click()
+    set_number(page, "num-drafts", 3)
+    set_number(page, "max-new", 24)
+    run_prompt(page, "abc def abc bad")
+    assert page.locator('#lane-left .mtad-lane[data-method="spectr"]').count() == 1
+    assert page.locator('#lane-right .mtad-lane[data-method="mtad"]').count() == 1
+    assert "m = 3" in page.locator("#lane-left .lane-note").inner_text()
+    page.get_by_label("Spectr", exact=True).check()  # the verification panel offers the raced decoders
+    page.wait_for_function("document.querySelector('#v-panel').innerText.includes('All 3 candidates')")
+    assert page.locator("#v-panel tr.beam-chosen").count() == 1
+    page.locator("#v-panel").scroll_into_view_if_needed()
+    page.screenshot(path=str(OUT / "app_spectr_race.png"), full_page=True)
+
+    # the same decoder twice is refused by name, and the lanes keep their titles
+    pick(page, "right-method", "Spectr")
+    page.locator("#run-btn").click()
+    page.wait_for_function(
+        "document.querySelector('#message').innerText.includes('pick two different decoders')", timeout=30_000
+    )
+    assert page.locator("#status").inner_text().startswith("Not run:")
 
 
 def test_script_prompt_shows_as_text(page):
     set_number(page, "max-new", 6)
     evil = "<script>window.__pwned = 1</script><b id='bold'>bad</b> abc"
     run_prompt(page, evil)
-    lane = page.locator("#lane-sd .lane-body")
+    lane = page.locator("#lane-left .lane-body")
     assert "<script>window.__pwned = 1</script>" in lane.inner_text()
     assert page.evaluate("window.__pwned") is None
-    assert page.locator("#lane-sd #bold").count() == 0
+    assert page.locator("#lane-left #bold").count() == 0
 
 
 def test_dark_mode_screenshot(browser, server):
@@ -161,24 +230,102 @@ def test_dark_mode_screenshot(browser, server):
     ctx.close()
 
 
-def test_stop_ends_the_run_at_the_next_iteration(page, monkeypatch):
+def stop_recorder(monkeypatch):
+    """Record when Stop sets a session's flag and when the (endless) decoder yields each step."""
     from mtad.ui import runner
 
-    monkeypatch.setattr(runner, "decode", endless_decode)  # never reaches EOS: only Stop ends it
+    times: dict[str, list[float]] = {"stop": [], "steps": []}
+    real_stop = runner.CANCELS.stop
+
+    def stop(session):
+        times["stop"].append(time.perf_counter())
+        return real_stop(session)
+
+    def decode(pair, prompt_ids, settings):
+        for step in endless_decode(pair, prompt_ids, settings):
+            times["steps"].append(time.perf_counter())
+            yield step
+
+    monkeypatch.setattr(runner.CANCELS, "stop", stop)
+    monkeypatch.setattr(runner, "decode", decode)
+    return times
+
+
+def test_stop_during_a_long_run_ends_it_within_one_iteration_and_says_so(page, monkeypatch):
+    from mtad.ui import runner
+
+    times = stop_recorder(monkeypatch)  # one token per 20 ms, never EOS: only Stop ends it
     set_number(page, "max-new", 200)
     page.locator("#prompt textarea").fill("ab")
     page.locator("#run-btn").click()
-    page.wait_for_selector("#lane-sd .tok", timeout=60_000)
+    page.wait_for_function(  # a long lane, still growing, re-rendered while we click
+        "parseInt(document.querySelector('#lane-left .lane-count')?.innerText) >= 300", timeout=120_000, polling=200
+    )
+    assert page.locator("#lane-left .lane-elided").count() == 1  # a live lane draws only its last iterations
+    clicked = time.perf_counter()
     page.locator("#stop-btn").click()
-    page.wait_for_selector('#lane-sd .mtad-lane[data-state="stopped"]', timeout=60_000)
-    page.wait_for_selector('#lane-mtad .mtad-lane[data-state="stopped"]', timeout=60_000)
-    assert "· stopped" in page.locator("#status").inner_text()
-    assert page.locator("#lane-mtad .tok").count() == 0  # the lane after a Stop never starts
+    page.wait_for_function("document.querySelector('#message').innerText.includes('Stop pressed')", timeout=30_000)
+    said = time.perf_counter() - clicked
+    page.wait_for_selector('#lane-left .mtad-lane[data-state="stopped"]', timeout=60_000)
+    page.wait_for_selector('#lane-right .mtad-lane[data-state="stopped"]', timeout=60_000)
+    status = page.locator("#status").inner_text()
+    assert "· stopped by Stop (Speculative decoding stopped after" in status
+    assert "Stop pressed" in message_text(page)  # the run's last update left the message in place
+    assert page.locator("#lane-right .tok").count() == 0  # the lane after a Stop never starts
+    # the decoder yielded at most one more step after the flag was set: the one in progress
+    [t_stop] = times["stop"]
+    assert sum(t > t_stop for t in times["steps"]) <= 1, "the run went on for more than one iteration"
+    assert said < 3.0, f"the page took {said:.1f} s to show that Stop was pressed"
+    # once stopped, the whole lane is drawn
+    page.wait_for_function("document.querySelectorAll('#lane-left .tok').length >= 300")
+    assert page.locator("#lane-left .lane-elided").count() == 0
+    # the verification panel shows the last lane that has steps, not the empty MTAD lane
+    page.wait_for_function(
+        "document.querySelector('#v-panel').innerText.includes('Speculative decoding · iteration 1')"
+    )
+    assert page.locator("#v-lane input[value=sd]").is_checked()
     for _ in range(100):  # the worker releases the device right after its last event
         if not runner.DEVICE_LOCK.locked():
             break
         page.wait_for_timeout(50)
     assert not runner.DEVICE_LOCK.locked()
+
+
+def test_a_waiting_visitor_sees_their_place_in_the_queue(browser, server, page, monkeypatch):
+    from mtad.ui import runner
+
+    monkeypatch.setattr(runner, "decode", endless_decode)
+    set_number(page, "max-new", 200)
+    page.locator("#prompt textarea").fill("ab")
+    page.locator("#run-btn").click()
+    page.wait_for_selector("#lane-left .tok", timeout=60_000)
+
+    ctx = browser.new_context(viewport={"width": 1400, "height": 1000})
+    second = ctx.new_page()
+    second.goto(server["url"])
+    second.wait_for_selector("#run-btn", timeout=60_000)
+    set_number(second, "max-new", 8)
+    second.locator("#prompt textarea").fill("abc")
+    second.locator("#run-btn").click()
+    second.wait_for_selector('#lane-left .mtad-lane[data-state="line"]', timeout=30_000)
+    lane, status = second.locator("#lane-left"), second.locator("#status")
+    assert "you are number 2 of 2 (1 run ahead of you" in lane.inner_text()
+    assert "you are number 2 of 2" in status.inner_text()
+    assert status.bounding_box()["height"] > 10 and status.is_visible()  # seen, not just in the DOM
+    assert not re.search(r"\d/\d|ETA|estimat", status.inner_text())  # no made-up wait estimate
+    before = status.inner_text()
+    second.wait_for_function(f"document.querySelector('#status').innerText !== {before!r}", timeout=10_000)
+    assert "has been going for" in status.inner_text()  # the ticker keeps it current
+    second.screenshot(path=str(OUT / "app_queued.png"))
+
+    # the first run ends (a background tab paints no frames, so Playwright's click would wait forever
+    # for it to settle: send the click event itself); the second run starts by itself
+    monkeypatch.undo()  # the waiting run decodes for real (the running one keeps its endless decoder)
+    page.locator("#stop-btn").dispatch_event("click")
+    second.wait_for_selector(DONE.format("right"), timeout=120_000)
+    assert "number 2" not in second.locator("#status").inner_text()
+    assert second.locator('.mtad-lane[data-state="line"]').count() == 0
+    ctx.close()
 
 
 def test_closing_the_tab_stops_the_run(browser, server, monkeypatch):
@@ -191,7 +338,7 @@ def test_closing_the_tab_stops_the_run(browser, server, monkeypatch):
     pg.goto(server["url"])
     pg.locator("#prompt textarea").fill("ab")
     pg.locator("#run-btn").click()
-    pg.wait_for_selector("#lane-sd .tok", timeout=60_000)
+    pg.wait_for_selector("#lane-left .tok", timeout=60_000)
     runner.HISTORY.clear()
     ctx.close()
     deadline = time.time() + 30

@@ -25,7 +25,7 @@ PAIR = "tiny"
 _SERVER: dict = {}
 
 # The run endpoint's inputs in order: prompt, pair, tau, beams, gamma, max_new, greedy, temperature,
-# top_k, top_p, seed, with_ar.
+# top_k, top_p, seed, with_ar, left, right, num_drafts, tau1, tau2.
 BASE = dict(
     prompt="abc def abc",
     pair=PAIR,
@@ -39,6 +39,11 @@ BASE = dict(
     top_p=0.9,
     seed=7,
     with_ar=False,
+    left="sd",
+    right="mtad",
+    num_drafts=4,
+    tau1=0.9,
+    tau2=2.0,
 )
 
 
@@ -127,9 +132,9 @@ def test_run_streams_both_lanes_and_summaries_match_metrics(client):
     final = job.result()
     assert len(outputs) >= 3
     # streaming: some partial output shows SD generating before MTAD has started, then MTAD filling
-    sd_partial = [o for o in outputs if 'data-method="sd"' in o[1] and 'data-state="running"' in o[1]]
-    mtad_partial = [o for o in outputs if 'data-method="mtad"' in o[2] and 'data-state="done"' not in o[2]]
-    assert sd_partial or any('data-state="done"' in o[1] and 'data-method="mtad"' not in o[2] for o in outputs)
+    sd_partial = [o for o in outputs if 'data-method="sd"' in o[2] and 'data-state="running"' in o[2]]
+    mtad_partial = [o for o in outputs if 'data-method="mtad"' in o[3] and 'data-state="done"' not in o[3]]
+    assert sd_partial or any('data-state="done"' in o[2] and 'data-method="mtad"' not in o[3] for o in outputs)
     assert mtad_partial
     data = final[-1]
     assert set(data["lanes"]) == {"sd", "mtad"}
@@ -151,7 +156,7 @@ def test_run_streams_both_lanes_and_summaries_match_metrics(client):
         if not lane["energy"]["available"]:  # a CPU: energy is n/a, never a number
             assert m_app["joules"] is None and m_app["joules_per_token"] is None
     # the cards show summarize's numbers, and energy as n/a on this CPU machine
-    cards = final[4]
+    cards = final[5]
     m = data["lanes"]["mtad"]["metrics"]
     assert f"{m['block_efficiency']:.3g}" in cards
     assert "J/token" in cards
@@ -163,28 +168,79 @@ def test_ar_lane_is_optional(client):
     final = client.predict(*args(with_ar=True, max_new=8), api_name="/run")
     assert set(final[-1]["lanes"]) == {"sd", "mtad", "ar"}
     assert final[-1]["lanes"]["ar"]["metrics"]["block_efficiency"] == 1.0
-    assert 'data-method="ar"' in final[3]
+    assert 'data-method="ar"' in final[4]
 
 
 @pytest.mark.parametrize(
     "changes, message",
     [
         (dict(prompt="   "), "the prompt is empty"),
-        (dict(beams=17), "greater than maximum value 16"),
-        (dict(gamma=0), "less than minimum value 1"),
-        (dict(tau=1.5), "greater than maximum value 1"),
+        (dict(beams=17), "beams W must be an integer from 1 to 16; got 17"),
+        (dict(beams=0), "beams W must be an integer from 1 to 16; got 0"),
+        (dict(beams=None), "beams W is empty: give an integer from 1 to 16"),
+        (dict(gamma=0), "draft length γ must be an integer from 1 to 12; got 0"),
+        (dict(tau=1.5), "τ (MTAD threshold) must be a number from 0 to 1; got 1.5"),
+        (dict(tau=-0.3), "τ (MTAD threshold) must be a number from 0 to 1; got -0.3"),
         (dict(beams=2.5), "beams W must be an integer from 1 to 16"),
         (dict(top_k=3.5), "top-k must be an integer"),
+        (dict(seed=-5), "seed must be an integer from 0 to 2147483647; got -5"),
         (dict(max_new=250), "exceeds the model's context length"),
-        (dict(pair="../../etc"), "not in the list of choices"),
-        (dict(pair="hubonly"), "needs the Hugging Face Hub"),
-        (dict(temperature=-1), "less than minimum value 0"),
+        (dict(pair="../../etc"), "model pair '../../etc' is not offered here"),
+        (dict(pair="hubonly"), "Hugging Face Hub"),
+        (dict(temperature=-1), "temperature must be a number from 0 to 2; got -1"),
+        (dict(greedy="yes"), "greedy must be true or false"),
+        (dict(left="medusa"), "the left lane must be one of"),
+        (dict(left="mtad"), "both lanes are MTAD: pick two different decoders"),
+        (dict(num_drafts=9), "drafts m must be an integer from 1 to 8; got 9"),
+        (dict(tau1=1.5), "τ1 (BiLD fallback) must be a number from 0 to 1; got 1.5"),
+        (dict(tau2=-1), "τ2 (BiLD rollback, nats) must be a number from 0 to 10; got -1"),
     ],
 )
 def test_bad_inputs_return_the_message(client, changes, message):
+    """Out-of-range values are refused by name with what is allowed (never clamped into range)."""
     with pytest.raises(gradio_client.exceptions.AppError) as err:
         client.predict(*args(**changes), api_name="/run")
     assert message in str(err.value)
+
+
+def test_api_races_the_picked_decoders(client):
+    """The API takes the racers and their settings by name, like the page's pickers."""
+    final = client.predict(*args(left="spectr", right="bild", num_drafts=2, max_new=8), api_name="/run")
+    data = final[-1]
+    assert list(data["lanes"]) == ["spectr", "bild"] and data["settings"]["num_drafts"] == 2
+    assert 'data-method="spectr"' in final[2] and 'data-method="bild"' in final[3]
+
+
+def test_refusal_stays_on_the_page_in_the_message_area(client):
+    """Before failing, the run event writes the message into the page's message area and a fresh status."""
+    job = client.submit(*args(tau=1.5), api_name="/run")
+    with pytest.raises(gradio_client.exceptions.AppError):
+        job.result()
+    [shown] = job.outputs()
+    assert 'class="mtad-message mtad-message-error"' in shown[0] and "τ (MTAD threshold)" in shown[0]
+    assert shown[1].startswith("Not run: τ (MTAD threshold) must be a number from 0 to 1")
+
+
+def test_api_lists_only_run_and_replay_with_named_parameters(client):
+    info = client.view_api(print_info=False, return_format="dict")
+    assert set(info["named_endpoints"]) == {"/run", "/replay"} and not info["unnamed_endpoints"]
+    run = info["named_endpoints"]["/run"]
+    names = [p["parameter_name"] for p in run["parameters"]]
+    assert names == ["prompt", "pair_name", "tau", "beams", "gamma", "max_new_tokens", "greedy"] + [
+        "temperature",
+        "top_k",
+        "top_p",
+        "seed",
+        "with_ar",
+        "left",
+        "right",
+        "num_drafts",
+        "tau1",
+        "tau2",
+    ]
+    labels = [r["label"] for r in run["returns"]]
+    assert labels[:3] == ["message", "status", "lane_1"] and labels[-1] == "run_data"
+    assert not any(label.startswith("value_") for label in labels)
 
 
 def endless_decode(pair, prompt_ids, settings):

@@ -182,9 +182,13 @@ def test_run_record_json_has_metrics_and_steps():
         (dict(beams=0), "beams W must be an integer from 1 to 16"),
         (dict(gamma=13), "draft length γ must be an integer from 1 to 12"),
         (dict(gamma=2.5), "draft length γ must be an integer"),
-        (dict(tau=None), "τ is empty"),
-        (dict(tau=2), "tau must be between 0 and 1"),
-        (dict(top_p=0.0), "top-p must be in (0, 1]"),
+        (dict(tau=None), "τ (MTAD threshold) is empty: give a number from 0 to 1"),
+        (dict(tau=2), "τ (MTAD threshold) must be a number from 0 to 1; got 2"),
+        (dict(tau=-0.3), "τ (MTAD threshold) must be a number from 0 to 1; got -0.3"),
+        (dict(top_p=0.0), "top-p must be a number above 0 and at most 1; got 0.0"),
+        (dict(seed=-5), "seed must be an integer from 0 to 2147483647; got -5"),
+        (dict(beams=""), "beams W is empty: give an integer from 1 to 16"),
+        (dict(greedy="no"), "greedy must be true or false"),
         (dict(max_new_tokens="x"), "max new tokens must be an integer"),
         (dict(temperature=float("nan")), "temperature must be a finite number"),
     ],
@@ -220,3 +224,130 @@ def test_cancel_registry_arms_takes_and_stops():
     assert fresh is not armed and not fresh.is_set()
     assert not reg.stop("other")
     assert isinstance(fresh, threading.Event)
+
+
+def test_rejected_whitespace_is_short_and_visible():
+    assert tokens.visible("        ") == "␣×8"
+    assert tokens.visible("\n    x") == "↵␣×4x"
+    assert tokens.visible(" a b") == " a b"  # single spaces between words stay as they are
+    assert tokens.visible("") == "∅"
+
+
+def test_live_lane_draws_only_its_last_iterations_and_titles_come_first():
+    lane = lane_of("sd", [sd_step(i) for i in range(5)])
+    full = tokens.lane_html(lane, "prompt")
+    live = tokens.lane_html(lane, "prompt", tail=2)
+    assert full.count('class="it ') == 5 and live.count('class="it ') == 2
+    assert "… 6 earlier tokens (3 iterations)" in live and "10 tokens · 5 iterations" in live
+    empty = tokens.placeholder_html("mtad", "Press Run to generate.")
+    assert '<span class="lane-title">MTAD</span>' in empty and 'data-method="mtad"' in empty
+
+
+def test_verify_table_explains_a_failing_prefix_kept_inside_a_longer_passing_one():
+    # prefix 1: log p - log q = -3 < log 0.1 (fails); prefix 2: -1 > log 0.1 (passes): eta = 2
+    lane = lane_of("mtad", [mtad_step(0, draft=(1, 2), log_p=(-4.0, -1.5), log_q=(-1.0, -0.5))])
+    assert mtad_accept_length([-4.0, -1.5], [-1.0, -0.5], 0.1) == 2
+    html = verify.verify_html(lane, 0, 0.1, 0.1, FakeTokenizer())
+    assert html.count("fails, kept: inside the passing prefix 2") == 1
+    assert "Prefix 1 fails on its own, yet its tokens are kept" in html and "<b>longest</b>" in html
+    # at a tau where nothing passes, nothing is kept and there is nothing to explain
+    strict = verify.verify_html(lane, 0, 0.9, 0.1, FakeTokenizer())
+    assert "fails, kept" not in strict and "v-kept-note" not in strict
+
+
+def test_lane_upto_is_the_lane_as_it_stood():
+    lane = lane_of("mtad", [mtad_step(0), mtad_step(1), mtad_step(2)])
+    part = lane.upto(2)
+    assert part.state == "running" and len(part.steps) == 2
+    assert part.metrics() == summarize(lane.steps[:2])
+    assert part.new_ids() == [t for s in lane.steps[:2] for t in s.appended_ids]
+    assert lane.upto(3) is lane and lane.upto(0).state == "waiting"
+
+
+def test_replay_animates_cards_and_plots_with_the_lanes():
+    from mtad.ui import handlers
+
+    sd, md = lane_of("sd", [sd_step(i) for i in range(4)]), lane_of("mtad", [mtad_step(i) for i in range(3)])
+    rec = RunRecord("tiny", "cpu", "ab", {"tau": 0.1, "gamma": 3, "beams": 2}, {"sd": sd, "mtad": md})
+    frames = list(handlers._replay(rec, max_seconds=0.3))
+    first, last = frames[0], frames[-1]
+    assert len(first) == 8  # message, status, three lanes, cards, two plots
+    assert 'class="card-state">done' not in first[5]  # the cards start with the lanes, not at the end
+    assert last[5].count('class="card-state">done') == 2
+    assert last[1].startswith("Replayed on one time axis")
+    counts = [len(f[6].data[0].x) for f in frames if not isinstance(f[6], dict) and f[6].data]
+    assert counts[-1] == len(sd.steps) + 1 and counts[0] <= counts[-1]
+
+
+def test_waiting_line_positions():
+    from mtad.ui.waiting import WaitingLine, place_text
+
+    line = WaitingLine()
+    line.join("a")
+    assert line.place("a").position == 1 and not line.must_wait("a")
+    line.start("a")
+    line.join("b")
+    line.join("c")
+    b, c = line.place("b"), line.place("c")
+    assert (b.position, b.total, c.position) == (2, 3, 3) and b.running_for is not None
+    assert "you are number 3 of 3 (2 runs ahead of you" in place_text(c)
+    line.leave("b")  # stopped while waiting
+    assert line.place("c").position == 2 and line.place("b") is None
+    line.leave("a")
+    line.start("c")
+    assert line.place("c") is None
+
+
+@pytest.fixture
+def two_presets(tmp_path, monkeypatch):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(
+        '{"prompt": "def f():\\n    return 1"}\n{"prompt": "def f():\\n    return 2"}\n{"prompt": "class A:"}\n'
+    )
+    (tmp_path / "d").mkdir()
+    (tmp_path / "pairs.toml").write_text(
+        '[pairs.local]\ndescription = "local"\ndraft = "./d"\ntarget = "./d"\nprompts = "p.jsonl"\n\n'
+        '[pairs.big]\ndescription = "big"\ndraft = "org/small-125m"\ntarget = "org/huge-13b"\n'
+        'prompts = "p.jsonl"\n'
+    )
+    monkeypatch.setenv("MTAD_PAIRS", str(tmp_path / "pairs.toml"))
+    monkeypatch.setenv("MTAD_OFFLINE", "1")
+    monkeypatch.delenv("MTAD_UNAVAILABLE_PAIRS", raising=False)
+
+
+def test_examples_are_distinct_and_a_pair_change_keeps_a_typed_prompt(two_presets):
+    from mtad.ui import handlers
+
+    ex = handlers.pair_examples("local")
+    assert [label for label, _ in ex] == ["def f():", "class A:"]
+    import gradio as gr
+
+    info, examples, prompt = handlers.on_pair_change("big", "my own prompt")
+    assert prompt == gr.skip() and examples["value"] is None  # the typed prompt stays
+    _, _, prompt = handlers.on_pair_change("big", "class A:")  # an example, not typed: it follows the pair
+    assert prompt["value"] == "def f():\n    return 1"
+
+
+def test_presets_that_cannot_run_here_are_marked_or_hidden(two_presets, monkeypatch):
+    import torch
+
+    from mtad.pair import presets
+    from mtad.ui import availability, handlers
+
+    big = presets()["big"]
+    assert availability.target_billions(big) == 13.0
+    reason = availability.unavailable_reason(big)
+    assert "needs the internet" in reason and "MTAD_OFFLINE is set" in reason
+    labels = dict((n, lab) for lab, n in handlers.pair_choices())
+    assert labels == {"local": "local", "big": "big (needs the internet: not on this server)"}
+    assert "Cannot run on this server" in handlers.pair_info("big")
+    monkeypatch.setenv("MTAD_UNAVAILABLE_PAIRS", "hide")
+    assert [n for _, n in handlers.pair_choices()] == ["local"]
+    with pytest.raises(ValueError, match="cannot run on this server: it needs the internet"):
+        handlers.check_run("x", "big", False, {})
+    monkeypatch.setenv("MTAD_OFFLINE", "0")
+    monkeypatch.setattr(availability, "hub_unreachable", lambda: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert (
+        availability.unavailable_reason(big) == "needs a GPU: its target has 13 B parameters and this server has none"
+    )

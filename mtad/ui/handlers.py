@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -13,26 +14,46 @@ import torch
 
 from mtad.decoding import encode_prompt
 from mtad.pair import PairError, configure_cpu_threads, default_pair_name, presets, resolve_device
-from mtad.ui import cards, figures, tokens, verify
-from mtad.ui.inputs import example_prompts, parse_settings
+from mtad.settings import Settings
+from mtad.ui import availability, cards, figures, tokens, verify
+from mtad.ui.inputs import as_bool, example_prompts, parse_settings
 from mtad.ui.record import LABELS, LaneRecord, RunRecord
 from mtad.ui.runner import CANCELS, OOM_MESSAGE, PAIRS, free_device_memory, run_lanes
+from mtad.ui.waiting import LINE, place_text
 
 log = logging.getLogger(__name__)
-LANES = ("sd", "mtad", "ar")
-"""The default lanes: two racing decoders (the visitor may pick others) and the optional AR lane."""
 RACERS = ("sd", "mtad", "mtad-tree", "bild", "spectr", "specinfer")
-"""The decoders a visitor may race against each other."""
-PLOT_EVERY = 0.5  # seconds between live plot refreshes (lanes refresh every iteration batch)
+"""The decoders a visitor may race against each other (the AR lane is the optional third)."""
+PLOT_EVERY = 2.0  # seconds between plot refreshes in Replay (a live run redraws them when a lane ends)
+LIVE_EVERY = 0.3  # seconds between live lane refreshes (a long run must not drown the browser)
+LIVE_TAIL = 60  # iterations a live lane draws; the whole lane is drawn once it ends
 EMPTY_PROMPT = "the prompt is empty: type some text to continue"
 
 
 # ---------------------------------------------------------------- page set-up helpers
 
+DEFAULT_RACE = ("sd", "mtad")  # the two lanes' methods, in page order, until the visitor picks others
+
 
 def pair_choices() -> list[tuple[str, str]]:
-    """(label, name) for the pair dropdown: the operator's presets only."""
-    return [(name + ("" if not p.needs_hub else " (Hub)"), name) for name, p in presets().items()]
+    """(label, name) for the pair dropdown: the operator's presets, those that cannot run here marked
+    (or hidden, when ``MTAD_UNAVAILABLE_PAIRS=hide``; never all of them)."""
+    out, hidden = [], []
+    for name, p in presets().items():
+        reason = availability.unavailable_reason(p)
+        if reason:
+            short = "needs the internet" if "internet" in reason else "needs a GPU"
+            (hidden if availability.hide_unavailable() else out).append((f"{name} ({short}: not on this server)", name))
+        else:
+            out.append((name + (" (Hub)" if p.needs_hub else ""), name))
+    return out or hidden
+
+
+def pair_dropdown(current: str | None) -> dict:
+    """The pair dropdown as of now (the Hub probe may have answered since the page was built)."""
+    choices = pair_choices()
+    names = [n for _, n in choices]
+    return gr.update(choices=choices, value=current if current in names else (names[0] if names else None))
 
 
 def default_pair() -> str:
@@ -43,23 +64,43 @@ def default_pair() -> str:
 
 
 def pair_info(name: str) -> str:
-    """The preset's description, and whether it needs the Hub."""
+    """The preset's description, whether it needs the Hub, and why it cannot run here if it cannot."""
     p = presets().get(name)
     if p is None:
         return ""
-    hub = " Needs the Hugging Face Hub the first time (not available offline)." if p.needs_hub else ""
+    reason = availability.unavailable_reason(p)
+    if reason:
+        return f"{escape(p.description)}. **Cannot run on this server:** it {escape(reason)}."
+    hub = " Needs the Hugging Face Hub the first time." if p.needs_hub else ""
     return f"{escape(p.description)}.{hub} Loads once, on its first run, then stays in memory."
 
 
-def examples_update(name: str) -> dict:
-    """The example-prompt dropdown for a preset, its first prompt picked (empty, with a note, when none)."""
-    ex = example_prompts(presets().get(name))
+def pair_examples(name: str | None) -> list[tuple[str, str]]:
+    """The preset's example prompts, one per label (prompt sets repeat first lines, e.g. many ``def f():``)."""
+    seen, out = set(), []
+    for label, text in example_prompts(presets().get(name)):
+        if label not in seen:
+            seen.add(label)
+            out.append((label, text))
+    return out
+
+
+def examples_update(name: str, value: str | None) -> dict:
+    """The example-prompt dropdown for a preset, ``value`` picked (empty, with a note, when it has none)."""
+    ex = pair_examples(name)
     label = "Example prompts" if ex else "Example prompts (none for this pair)"
-    return gr.update(choices=ex, value=ex[0][1] if ex else None, label=label, interactive=bool(ex))
+    return gr.update(choices=ex, value=value, label=label, interactive=bool(ex))
 
 
-def on_pair_change(name: str) -> tuple[str, dict]:
-    return pair_info(name), examples_update(name)
+def on_pair_change(name: str, prompt: str | None) -> tuple[str, dict, dict]:
+    """A new pair: its description and examples; the prompt follows only if the visitor had not typed one."""
+    ex = pair_examples(name)
+    typed = bool(prompt and prompt.strip()) and not any(
+        prompt == text for other in presets() for _, text in pair_examples(other)
+    )
+    if typed or not ex:
+        return pair_info(name), examples_update(name, None), gr.skip()
+    return pair_info(name), examples_update(name, ex[0][1]), gr.update(value=ex[0][1])
 
 
 def on_example(prompt: str | None) -> dict:
@@ -106,53 +147,171 @@ def lane_note(method: str, settings: dict) -> str:
     return f"W = {settings.get('beams')}, {g}, τ = {settings.get('tau'):g}"
 
 
-def slots(record: RunRecord | None) -> tuple[str, str, str]:
-    """Which method each of the page's three lane boxes shows: the two racers, then AR."""
-    racers = [m for m in record.lanes if m != "ar"] if record else []
-    return (*racers, "ar") if len(racers) == 2 else LANES
+# ---------------------------------------------------------------- messages and the waiting line
+
+
+def message_html(text: str = "", kind: str = "error") -> str:
+    """The message area under Run: stays until the next Run (empty when there is nothing to say)."""
+    if not text:
+        return '<div class="mtad-message mtad-message-empty"></div>'
+    role = ' role="alert"' if kind == "error" else ""
+    title = {"error": "Not run: ", "stop": "", "info": ""}.get(kind, "")
+    return f'<div class="mtad-message mtad-message-{escape(kind)}"{role}><b>{title}</b>{escape(text)}</div>'
+
+
+def _session(request: gr.Request | None) -> str:
+    return (request.session_hash if request is not None else None) or "api"
+
+
+def shown_race(left: object, right: object) -> tuple[str, str]:
+    """The two lanes to title before a run: the visitor's picks, or the default race while they cannot run
+    (the run itself refuses them with a message)."""
+    try:
+        first, second = pick_racers(left, right)
+    except ValueError:
+        return DEFAULT_RACE
+    return first, second
+
+
+def waiting_outputs(session: str, race: tuple[str, str] = DEFAULT_RACE) -> tuple | None:
+    """(status, lane, lane) for a session waiting in line, or None when it is not waiting."""
+    place = LINE.place(session)
+    if place is None or place.position <= 1:
+        return None
+    text = place_text(place)
+    lanes = [tokens.placeholder_html(m, text, state="line") for m in race]
+    return (f"**{text}**", *lanes)
+
+
+def arm(left: str, right: str, request: gr.Request) -> tuple:
+    """Run pressed (before the run is queued): a fresh Stop flag, a place in line, the old message cleared,
+    and, when someone is ahead, the queue position at once with the ticker that keeps it current."""
+    session = _session(request)
+    CANCELS.arm(session)
+    LINE.join(session)
+    shown = waiting_outputs(session, shown_race(left, right))
+    if shown is None:
+        return message_html(), gr.skip(), gr.skip(), gr.skip(), gr.Timer(active=False)
+    return message_html(), *shown, gr.Timer(active=True)
+
+
+def on_race_change(record: RunRecord | None, left: str, right: str) -> tuple:
+    """Before the first run the empty lanes take the picked decoders' titles; a finished run's lanes stay."""
+    if record is not None:
+        return gr.skip(), gr.skip()
+    return tuple(lane_box(None, m) for m in shown_race(left, right))
+
+
+def waiting_tick(left: str, right: str, request: gr.Request) -> tuple:
+    """Every second while waiting: the position again; the ticker stops once the run has started."""
+    shown = waiting_outputs(_session(request), shown_race(left, right))
+    if shown is None:
+        return gr.skip(), gr.skip(), gr.skip(), gr.Timer(active=False)
+    return *shown, gr.Timer(active=True)
+
+
+def stop(request: gr.Request) -> str:
+    """Stop: the run ends after the iteration in progress and frees the device; a waiting run leaves the line."""
+    session = _session(request)
+    waiting = LINE.place(session) is not None
+    if not CANCELS.stop(session):
+        return message_html("nothing is running.", kind="info")
+    if waiting:
+        LINE.leave(session)
+        return message_html("Stopped while waiting in the queue: the run will not start.", kind="stop")
+    return message_html(
+        "Stop pressed: the run ends after the iteration in progress; later lanes do not start.", kind="stop"
+    )
+
+
+def unload(request: gr.Request) -> None:
+    """A closed tab stops its run and leaves the line."""
+    session = _session(request)
+    CANCELS.stop(session)
+    CANCELS.forget(session)
+    LINE.leave(session)
 
 
 # ---------------------------------------------------------------- run
 
 
-def arm(request: gr.Request) -> None:
-    """Before a run is queued: a fresh Stop flag for this session (so Stop works while queued)."""
-    CANCELS.arm(request.session_hash or "api")
+def lane_slots(record: RunRecord | None, race: tuple[str, str] = DEFAULT_RACE) -> list[str | None]:
+    """The methods shown in the page's three lane boxes: the two raced methods (``race`` before a run),
+    then AR (or nothing)."""
+    if record is None:
+        return [*race, None]
+    methods = [m for m in record.lanes if m != "ar"]
+    return [*(methods + [None, None])[:2], "ar" if "ar" in record.lanes else None]
 
 
-def stop(request: gr.Request) -> None:
-    """Stop: the run ends at its next iteration and frees the device."""
-    if CANCELS.stop(request.session_hash or "api"):
-        gr.Info("Stopping at the next iteration.")
+def lane_box(record: RunRecord | None, method: str | None, upto: int | None = None, live: bool = False) -> str:
+    """One lane box's HTML: the lane (a live one drawn from its last ``LIVE_TAIL`` iterations), or its
+    titled placeholder."""
+    if record is None or method is None or record.lane(method) is None:
+        return tokens.placeholder_html(method, "Press Run to generate.")
+    lane = record.lane(method)
+    tail = LIVE_TAIL if live and not (lane.finished and upto is None) else None
+    return tokens.lane_html(lane, record.prompt, upto=upto, note=lane_note(method, record.settings), tail=tail)
 
 
-def unload(request: gr.Request) -> None:
-    """A closed tab stops its run."""
-    session = request.session_hash or "api"
-    CANCELS.stop(session)
-    CANCELS.forget(session)
+def plots(lanes: list[LaneRecord]) -> tuple:
+    """Tokens-vs-seconds, accepted-per-iteration, the energy figure (or hidden) and the energy note."""
+    energy = figures.energy_figure(lanes)
+    return (
+        figures.tokens_vs_seconds(lanes),
+        figures.accepted_per_iteration(lanes),
+        gr.update(value=energy, visible=True) if energy is not None else gr.update(visible=False),
+        energy_note(lanes),
+    )
 
 
-def outputs(record: RunRecord | None, status: str, plots: bool, final: bool = False) -> tuple:
-    """The run event's outputs, in the order app.py lists them."""
-    lanes = list(record.lanes.values()) if record else []
-    prompt = record.prompt if record else ""
-    notes = {m: lane_note(m, record.settings) for m in slots(record)} if record else {}
-    lane_htmls = [
-        tokens.lane_html(record.lane(m) if record else None, prompt, note=notes.get(m, "")) for m in slots(record)
-    ]
-    if plots:
-        energy = figures.energy_figure(lanes)
-        plot_out = (
-            figures.tokens_vs_seconds(lanes),
-            figures.accepted_per_iteration(lanes),
-            gr.update(value=energy, visible=True) if energy is not None else gr.update(visible=False),
-            energy_note(lanes),
-        )
-    else:
-        plot_out = (gr.skip(), gr.skip(), gr.skip(), gr.skip())
-    data = record.to_dict(with_steps=final) if record else {}
-    return (status, *lane_htmls, cards.cards_html(lanes), *plot_out, record, data)
+class Stream:
+    """Turns a filling run into page updates: only lanes that changed, each drawn from its last
+    iterations, and the plots only when a lane ends (or every ``plot_every`` seconds, when given).
+
+    Measured in headless Chromium on the 2-core test machine: re-sending whole lanes every tenth of a
+    second, and plotly redrawing thousand-bar charts every half second, blocked the browser for seconds at
+    a time, so a click on Stop took seconds to go out.
+    """
+
+    def __init__(self, plot_every: float = math.inf) -> None:
+        self.plot_every = plot_every
+        self.sent: dict[str, tuple] = {}
+        self.last_plot = time.perf_counter()
+
+    def outputs(self, record: RunRecord, status: str, message: str | None = None, final: bool = False) -> tuple:
+        """The run event's outputs, in the order app.py lists them."""
+        slots = lane_slots(record)
+        htmls = []
+        changed = ended = False
+        for m in slots:
+            lane = record.lane(m) if m else None
+            sig = (len(lane.steps), lane.state, lane.error) if lane else None
+            if final or self.sent.get(m or "") != sig:
+                self.sent[m or ""] = sig
+                htmls.append(lane_box(record, m, live=not final))
+                changed = True
+                ended = ended or (lane is not None and lane.finished)
+            else:
+                htmls.append(gr.skip())
+        lanes = list(record.lanes.values())
+        now = time.perf_counter()
+        if final or ended or (changed and now - self.last_plot >= self.plot_every):
+            self.last_plot = now
+            plot_out = plots(lanes)
+        else:
+            plot_out = (gr.skip(),) * 4
+        card = cards.cards_html(lanes) if changed or final else gr.skip()
+        data = record.to_dict(with_steps=True) if final else gr.skip()
+        msg = gr.skip() if message is None else message
+        return (msg, status, *htmls, card, *plot_out, record, data)
+
+
+def blank_outputs(message: str, status: str, race: tuple[str, str] = DEFAULT_RACE) -> tuple:
+    """Outputs for a run that did not start: the message, a fresh status, empty lanes titled ``race``."""
+    htmls = [lane_box(None, m) for m in lane_slots(None, race)]
+    empty = cards.cards_html([])
+    return (message, status, *htmls, empty, gr.skip(), gr.skip(), gr.skip(), gr.skip(), None, {})
 
 
 def energy_note(lanes: list[LaneRecord]) -> str:
@@ -163,6 +322,44 @@ def energy_note(lanes: list[LaneRecord]) -> str:
         f'<div class="energy-na">Energy: <b>n/a — {escape(reason)}</b>. On a GPU the page plots power (W) and '
         "joules per token from NVML's energy counter.</div>"
     )
+
+
+def check_run(
+    prompt: object,
+    pair_name: object,
+    with_ar: object,
+    values: dict,
+    left: object = DEFAULT_RACE[0],
+    right: object = DEFAULT_RACE[1],
+) -> tuple[Settings, list[str]]:
+    """Everything the run event received, checked (the API can send anything): the settings and the two
+    decoders to race; ValueError naming the field."""
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ValueError(EMPTY_PROMPT)
+    table = presets()
+    if not isinstance(pair_name, str) or pair_name not in table:
+        raise ValueError(f"model pair {str(pair_name)[:80]!r} is not offered here; pick one of: {', '.join(table)}")
+    reason = availability.unavailable_reason(table[pair_name])
+    if reason:
+        raise ValueError(f"model pair {pair_name!r} cannot run on this server: it {reason}; pick another pair")
+    as_bool("AR baseline lane", with_ar)
+    racers = pick_racers(left, right)
+    return parse_settings(**values), racers
+
+
+class Refused(Exception):
+    """A run that did not start or failed, with the message the page already shows."""
+
+
+def refuse(message: str, race: tuple[str, str] = DEFAULT_RACE) -> Iterator[tuple]:
+    """Show why a run did not start (it stays on the page, the old status replaced), then end the event."""
+    yield blank_outputs(message_html(message), f"Not run: {escape(message)}", race)
+    raise Refused(message)
+
+
+def api_error(exc: Refused) -> gr.Error:
+    """The API's form of a refusal: the same words, as an error the client raises."""
+    return gr.Error(str(exc), print_exception=False)
 
 
 def run(
@@ -178,33 +375,79 @@ def run(
     top_p: float,
     seed: int,
     with_ar: bool,
+    left: str,
+    right: str,
+    num_drafts: int,
+    tau1: float,
+    tau2: float,
     request: gr.Request,
-    left: str = "sd",
-    right: str = "mtad",
-    num_drafts: int = 4,
-    tau1: float = 0.9,
-    tau2: float = 2.0,
 ) -> Iterator[tuple]:
-    """Generate with the two picked decoders (default SD, then MTAD; then AR if asked), streaming the lanes."""
+    """The API's run: generate with the two raced decoders, one after another (then AR if asked), streaming
+    the lanes; a refusal or a failed lane ends the job with an error naming the field or the lane."""
+    values = dict(locals())
+    values.pop("request")
     try:
-        settings = parse_settings(
-            tau, beams, gamma, max_new_tokens, greedy, temperature, top_k, top_p, seed, num_drafts, tau1, tau2
-        )
-        racers = pick_racers(left, right)
+        yield from _run(_session(request), values)
+    except Refused as exc:
+        raise api_error(exc) from None
+
+
+def run_page(
+    prompt: str,
+    pair_name: str,
+    tau: float,
+    beams: int,
+    gamma: int,
+    max_new_tokens: int,
+    greedy: bool,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    seed: int,
+    with_ar: bool,
+    left: str,
+    right: str,
+    num_drafts: int,
+    tau1: float,
+    tau2: float,
+    request: gr.Request,
+) -> Iterator[tuple]:
+    """The page's run: as :func:`run`, but a refusal only stays in the message area (no error badge or
+    toast that hides the message and leaves the old status behind)."""
+    values = dict(locals())
+    values.pop("request")
+    with contextlib.suppress(Refused):
+        yield from _run(_session(request), values)
+
+
+def _run(session: str, values: dict) -> Iterator[tuple]:
+    LINE.start(session)
+    try:
+        yield from _generate(session, values)
+    finally:
+        LINE.leave(session)
+
+
+def _generate(session: str, values: dict) -> Iterator[tuple]:
+    prompt, pair_name, with_ar = values.pop("prompt"), values.pop("pair_name"), values.pop("with_ar")
+    left, right = values.pop("left"), values.pop("right")
+    race = shown_race(left, right)
+    try:
+        settings, racers = check_run(prompt, pair_name, with_ar, values, left, right)
     except ValueError as exc:
-        raise gr.Error(str(exc)) from None
-    if not isinstance(prompt, str) or not prompt.strip():
-        raise gr.Error(EMPTY_PROMPT)
-    if pair_name not in presets():
-        raise gr.Error(f"unknown pair {pair_name!r}; pick one of the listed pairs")
-    cancel = CANCELS.take(request.session_hash or "api")
+        yield from refuse(str(exc), race)
+    cancel = CANCELS.take(session)
+    if cancel.is_set():
+        stopped = message_html("Stopped while waiting in the queue.", kind="stop")
+        yield blank_outputs(stopped, "Stopped before start.", race)
+        return
     if not PAIRS.loaded(pair_name):
-        yield outputs(None, f"Loading the pair `{pair_name}` (first run only)…", plots=False)
+        yield blank_outputs(message_html(), f"Loading the pair `{pair_name}` (first run only)…", race)
     try:
         pair = PAIRS.get(pair_name)
         prompt_ids = encode_prompt(pair, prompt, settings)
     except (PairError, ValueError) as exc:
-        raise gr.Error(str(exc)) from None
+        yield from refuse(str(exc), race)
     methods = racers + (["ar"] if with_ar else [])
     record = RunRecord(
         pair=pair_name,
@@ -213,27 +456,35 @@ def run(
         settings=settings.to_dict(),
         lanes={m: LaneRecord(method=m, prompt_ids=prompt_ids) for m in methods},
     )
-    last_plot = 0.0
+    stream = Stream()
     try:
-        for rec in run_lanes(pair, record, settings, cancel):
-            now = time.perf_counter()
-            plots = now - last_plot >= PLOT_EVERY or any(
-                lane.state in ("done", "stopped") for lane in rec.lanes.values()
-            )
-            if plots:
-                last_plot = now
+        for rec in run_lanes(pair, record, settings, cancel, interval=LIVE_EVERY):
             running = next((lane for lane in rec.lanes.values() if not lane.finished), None)
-            status = f"{device_text(rec)} · running **{running.label}**…" if running else device_text(rec)
-            yield outputs(rec, status, plots=plots)
+            if running is None:
+                status = device_text(rec)
+            elif cancel.is_set():
+                status = f"{device_text(rec)} · **stopping** after the iteration in progress…"
+            else:
+                status = f"{device_text(rec)} · running **{running.label}**…"
+            yield stream.outputs(rec, status, message=message_html() if not stream.sent else None)
     except torch.cuda.OutOfMemoryError:
         free_device_memory()
-        raise gr.Error(OOM_MESSAGE) from None
-    stopped = any(lane.state == "stopped" for lane in record.lanes.values())
-    tail = " · stopped" if stopped else " · done: press Replay to race the lanes on one time axis"
-    yield outputs(record, device_text(record) + tail, plots=True, final=True)
-    errors = [f"{lane.label}: {lane.error}" for lane in record.lanes.values() if lane.error]
+        yield from refuse(OOM_MESSAGE, race)
+    errors = "; ".join(f"{lane.label}: {lane.error}" for lane in record.lanes.values() if lane.error)
+    status = device_text(record) + (" · failed" if errors else run_tail(record))
+    yield stream.outputs(record, status, message=message_html(errors) if errors else None, final=True)
     if errors:
-        raise gr.Error("; ".join(errors))
+        raise Refused(errors)
+
+
+def run_tail(record: RunRecord) -> str:
+    """How the run ended, for the status line."""
+    if not any(lane.state == "stopped" for lane in record.lanes.values()):
+        return " · done: press Replay to race the lanes on one time axis"
+    with_steps = [lane for lane in record.lanes.values() if lane.steps]
+    last = with_steps[-1] if with_steps else None
+    where = f" ({last.label} stopped after {len(last.steps)} iterations)" if last and last.state == "stopped" else ""
+    return f" · stopped by Stop{where}"
 
 
 def pick_racers(left: object, right: object) -> list[str]:
@@ -264,31 +515,55 @@ def toggle_ar(with_ar: bool) -> dict:
 # ---------------------------------------------------------------- replay
 
 
-def replay(record: RunRecord | None, max_seconds: float = 15.0) -> Iterator[tuple]:
-    """Re-animate every lane on one true time axis (each step appears when its lane's clock reached it)."""
+def replay(record: RunRecord | None) -> Iterator[tuple]:
+    """The API's replay: :func:`replay_page`, with an error when there is nothing to replay."""
+    try:
+        yield from _replay(record)
+    except Refused as exc:
+        raise api_error(exc) from None
+
+
+def replay_page(record: RunRecord | None) -> Iterator[tuple]:
+    """Re-animate every lane, its card and the plots on one true time axis."""
+    with contextlib.suppress(Refused):
+        yield from _replay(record)
+
+
+def _replay(record: RunRecord | None, max_seconds: float = 15.0) -> Iterator[tuple]:
+    """Each step appears when its lane's own clock reached it (sped up to last at most ``max_seconds``)."""
     if record is None or not any(lane.steps for lane in record.lanes.values()):
-        raise gr.Error("nothing to replay yet: run a prompt first")
+        message = "nothing to replay yet: run a prompt first"
+        yield message_html(message), f"Not replayed: {message}", *(gr.skip(),) * 6
+        raise Refused(message)
     ends = {m: lane.own_seconds() for m, lane in record.lanes.items()}
     total = max((e[-1] for e in ends.values() if e), default=0.0)
     speed = max(1.0, total / max_seconds)
     start = time.perf_counter()
     shown: dict[str, int] = {}
+    last_plot = -math.inf
+    slots = lane_slots(record)
     while True:
         t = (time.perf_counter() - start) * speed
-        upto = {m: sum(1 for x in e if x <= t) for m, e in ends.items()}
-        if upto != shown or t >= total:
+        done = t >= total
+        upto = {m: (len(e) if done else sum(1 for x in e if x <= t)) for m, e in ends.items()}
+        if upto != shown or done:
             shown = upto
             speed_note = "" if speed == 1 else f", ×{speed:.1f} speed"
             status = f"Replay on one time axis: t = {min(t, total):.2f} s of {total:.2f} s (true time{speed_note})"
-            htmls = []
-            for m in slots(record):
-                lane = record.lane(m)
-                note = lane_note(m, record.settings)
-                htmls.append(tokens.lane_html(lane, record.prompt, upto=upto.get(m), note=note))
-            yield (status, *htmls)
-        if t >= total:
+            if done:
+                status = f"Replayed on one time axis: {total:.2f} s (true time{speed_note})"
+            lanes = [lane.upto(upto[m]) for m, lane in record.lanes.items()]
+            htmls = [lane_box(record, m, upto=upto.get(m), live=not done) if m else lane_box(None, None) for m in slots]
+            now = time.perf_counter()
+            if done or now - last_plot >= PLOT_EVERY:
+                last_plot = now
+                figs = (figures.tokens_vs_seconds(lanes), figures.accepted_per_iteration(lanes))
+            else:
+                figs = (gr.skip(), gr.skip())
+            yield message_html(), status, *htmls, cards.cards_html(lanes), *figs
+        if done:
             return
-        time.sleep(0.05)
+        time.sleep(0.1)
 
 
 # ---------------------------------------------------------------- verification panel
@@ -322,19 +597,18 @@ def verify_lane(record: RunRecord | None, method: str, tau: float) -> tuple:
 
 
 def verify_reset(record: RunRecord | None, method: str) -> tuple:
-    """After a run: the lane's first iteration, judged at the run's own tau."""
+    """After a run: the picked lane (or, when it has no steps, e.g. after a Stop, the last lane that has),
+    its first iteration, judged at the run's own tau."""
     tau = record.settings.get("tau", 0.1) if record else 0.1
-    slider, html, fig = verify_lane(record, method, tau)
-    return slider, gr.update(value=tau), html, fig
-
-
-def verify_reset_lanes(record: RunRecord | None, method: str) -> tuple:
-    """After a run: the lane picker offers the raced decoders (kept if still raced), then :func:`verify_reset`."""
     choices = lane_choices(record)
-    values = [v for _, v in choices]
-    method = method if method in values else values[-1]
-    return (gr.update(choices=choices, value=method), *verify_reset(record, method))
+    with_steps = [m for _, m in choices if (lane := _lane(record, m)) is not None and lane.steps]
+    if method not in with_steps and with_steps:
+        method = with_steps[-1]
+    slider, html, fig = verify_lane(record, method, tau)
+    return gr.update(choices=choices, value=method), slider, gr.update(value=tau), html, fig
 
 
 def lane_choices(record: RunRecord | None = None) -> list[tuple[str, str]]:
-    return [(LABELS[m], m) for m in slots(record)[:2]]
+    """The lanes the verification panel can inspect: the raced methods (AR drafts nothing)."""
+    methods = [m for m in record.lanes if m != "ar"] if record else list(DEFAULT_RACE)
+    return [(LABELS.get(m, m), m) for m in methods]

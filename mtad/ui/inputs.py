@@ -13,7 +13,12 @@ BEAMS_RANGE = (1, 16)
 GAMMA_RANGE = (1, 12)
 MAX_NEW_RANGE = (1, 512)
 TOP_K_RANGE = (0, 200)
+TEMPERATURE_RANGE = (0.0, 2.0)
+TOP_P_RANGE = (0.0, 1.0)  # open at 0
+SEED_RANGE = (0, 2**31 - 1)
 DRAFTS_RANGE = (1, 8)
+TAU1_RANGE = (0.0, 1.0)
+TAU2_RANGE = (0.0, 10.0)  # nats; the engine allows any value >= 0, the page a useful span
 DEFAULTS = Settings(max_new_tokens=64)
 
 
@@ -32,17 +37,27 @@ def as_int(name: str, value: object, lo: int, hi: int) -> int:
     return int(f)
 
 
-def as_float(name: str, value: object) -> float:
-    """A finite float from a widget value, else ValueError."""
+def as_float(name: str, value: object, lo: float, hi: float, lo_open: bool = False) -> float:
+    """A number in [lo, hi] (or (lo, hi] when ``lo_open``) from a widget value, else ValueError saying so."""
+    allowed = f"a number {'above' if lo_open else 'from'} {lo:g} {'and at most' if lo_open else 'to'} {hi:g}"
     if value is None or value == "" or isinstance(value, bool):
-        raise ValueError(f"{name} is empty: give a number")
+        raise ValueError(f"{name} is empty: give {allowed}")
     try:
         f = float(value)
     except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a number; got {value!r}") from None
+        raise ValueError(f"{name} must be {allowed}; got {value!r}") from None
     if not math.isfinite(f):
-        raise ValueError(f"{name} must be a finite number; got {value}")
+        raise ValueError(f"{name} must be a finite number: {allowed}; got {value}")
+    if f > hi or f < lo or (lo_open and f == lo):
+        raise ValueError(f"{name} must be {allowed}; got {value}")
     return f
+
+
+def as_bool(name: str, value: object) -> bool:
+    """A checkbox value: true or false (the API may send anything)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false; got {value!r}")
+    return value
 
 
 def parse_settings(
@@ -59,25 +74,26 @@ def parse_settings(
     tau1: object = DEFAULTS.tau1,
     tau2: object = DEFAULTS.tau2,
 ) -> Settings:
-    """Settings for the run from the widgets' values; ``ValueError`` with a message otherwise.
+    """Settings for the run from the widgets' values; ``ValueError`` naming the field and what it allows.
 
-    The ``method`` is set per lane later; the app's ranges are narrower than the engine's.
+    Nothing is clamped: a value out of range is refused, never silently moved into it. The ``method``
+    is set per lane later; the app's ranges are narrower than the engine's.
     """
     s = Settings(
         method="mtad",
-        greedy=bool(greedy),
-        temperature=as_float("temperature", temperature),
+        greedy=as_bool("greedy", greedy),
+        temperature=as_float("temperature", temperature, *TEMPERATURE_RANGE),
         top_k=as_int("top-k", top_k, *TOP_K_RANGE),
-        top_p=as_float("top-p", top_p),
+        top_p=as_float("top-p", top_p, *TOP_P_RANGE, lo_open=True),
         gamma=as_int("draft length γ", gamma, *GAMMA_RANGE),
         beams=as_int("beams W", beams, *BEAMS_RANGE),
-        tau=as_float("τ", tau),
+        tau=as_float("τ (MTAD threshold)", tau, *TAU_RANGE),
         draft_mode="beam",
         max_new_tokens=as_int("max new tokens", max_new_tokens, *MAX_NEW_RANGE),
-        seed=as_int("seed", seed, 0, 2**31 - 1),
+        seed=as_int("seed", seed, *SEED_RANGE),
         num_drafts=as_int("drafts m", num_drafts, *DRAFTS_RANGE),
-        tau1=as_float("τ1 (BiLD fallback)", tau1),
-        tau2=as_float("τ2 (BiLD rollback)", tau2),
+        tau1=as_float("τ1 (BiLD fallback)", tau1, *TAU1_RANGE),
+        tau2=as_float("τ2 (BiLD rollback, nats)", tau2, *TAU2_RANGE),
     )
     return s.validate()
 

@@ -99,6 +99,33 @@ class LaneRecord:
     def new_ids(self) -> list[int]:
         return self.context_ids[len(self.prompt_ids) :]
 
+    def upto(self, n: int) -> LaneRecord:
+        """The lane as it stood after its first ``n`` steps (for Replay): still running if steps follow.
+
+        Joules are a whole-lane reading, so a partial lane has none; power samples are cut at its clock.
+        """
+        n = max(0, min(n, len(self.steps)))
+        if n == len(self.steps):
+            return self
+        end = self.wall_ends[n - 1] if n else 0.0
+        energy = LaneEnergy(
+            available=self.energy.available,
+            reason=self.energy.reason,
+            samples=[s for s in self.energy.samples if s[0] <= end],
+        )
+        ids = list(self.prompt_ids) + [t for s in self.steps[:n] for t in s.appended_ids]
+        return LaneRecord(
+            method=self.method,
+            prompt_ids=list(self.prompt_ids),
+            steps=self.steps[:n],
+            appended_pieces=self.appended_pieces[:n],
+            rejected_pieces=self.rejected_pieces[:n],
+            wall_ends=self.wall_ends[:n],
+            state="running" if n else "waiting",
+            energy=energy,
+            context_ids=ids,
+        )
+
 
 @dataclass
 class RunRecord:

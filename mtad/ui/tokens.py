@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import math
+import re
 from html import escape
 
 from mtad.events import Step
-from mtad.ui.record import LaneRecord
+from mtad.ui.record import LABELS, LaneRecord
 
 STATE_BADGES = {
     "waiting": "waiting",
     "queued": "waiting for the device",
+    "line": "in the queue",
     "running": "generating…",
     "done": "done",
     "stopped": "stopped",
@@ -26,8 +28,10 @@ def prob(logp: float) -> str:
 
 
 def visible(piece: str) -> str:
-    """Show layout characters of a thrown-away token (it is not part of the text)."""
-    return piece.replace("\n", "↵").replace("\t", "→") or "∅"
+    """Show layout characters of a thrown-away token (it is not part of the text): newlines, tabs, and
+    runs of spaces as a short count (an indentation token would otherwise be a long empty bar)."""
+    out = piece.replace("\n", "↵").replace("\t", "→")
+    return re.sub(r" {3,}", lambda m: f"␣×{len(m.group())}", out) or "∅"
 
 
 def target_kind(step: Step) -> str:
@@ -73,15 +77,29 @@ def step_html(step: Step, appended: list[str], rejected: list[str]) -> str:
     return f'<span class="it it-{parity}" data-it="{step.index}">{"".join(out)}</span>'
 
 
-def lane_html(lane: LaneRecord | None, prompt: str, upto: int | None = None, note: str = "") -> str:
-    """A lane box: its title, state, counts, the prompt (muted) and its first ``upto`` steps."""
+def lane_html(
+    lane: LaneRecord | None, prompt: str, upto: int | None = None, note: str = "", tail: int | None = None
+) -> str:
+    """A lane box: its title, state, counts, the prompt (muted) and its first ``upto`` steps.
+
+    With ``tail``, only the last ``tail`` of those steps are drawn (a live lane: the browser re-draws
+    it at every update, so its cost must not grow with the length of the run); the rest is counted.
+    """
     if lane is None:
-        return '<div class="mtad-lane mtad-lane-empty"><div class="lane-body">Press Run to generate.</div></div>'
+        return placeholder_html(None, "Press Run to generate.")
     n = len(lane.steps) if upto is None else min(upto, len(lane.steps))
     tokens = sum(len(s.appended_ids) for s in lane.steps[:n])
     state = lane.state if upto is None or n == len(lane.steps) else "running"
     badge = STATE_BADGES.get(state, state)
-    body = "".join(step_html(lane.steps[i], lane.appended_pieces[i], lane.rejected_pieces[i]) for i in range(n))
+    first = max(0, n - tail) if tail is not None else 0
+    body = "".join(step_html(lane.steps[i], lane.appended_pieces[i], lane.rejected_pieces[i]) for i in range(first, n))
+    if first:
+        hidden = sum(len(s.appended_ids) for s in lane.steps[:first])
+        body = (
+            f'<span class="lane-elided">… {hidden} earlier tokens ({first} iterations), shown in full when the '
+            f"lane ends …</span>{body}"
+        )
+        prompt = ""
     error = f'<div class="lane-error">{escape(lane.error)}</div>' if lane.error else ""
     extra = f'<span class="lane-note">{escape(note)}</span>' if note else ""
     return (
@@ -92,6 +110,20 @@ def lane_html(lane: LaneRecord | None, prompt: str, upto: int | None = None, not
         f'<div class="lane-scroll"><div class="lane-body"><span class="tok-prompt">{escape(prompt)}</span>{body}</div></div>'
         f"{error}</div>"
     )
+
+
+def placeholder_html(method: str | None, text: str, state: str = "", note: str = "") -> str:
+    """A lane box before its run has steps: the lane's title (when known) and a line of text."""
+    head = ""
+    if method:
+        badge = f'<span class="lane-badge lane-{escape(state)}">{escape(STATE_BADGES.get(state, state))}</span>'
+        extra = f'<span class="lane-note">{escape(note)}</span>' if note else ""
+        head = (
+            f'<div class="lane-head"><span class="lane-title">{escape(LABELS.get(method, method))}</span>'
+            f"{badge if state else ''}{extra}</div>"
+        )
+    data = f' data-method="{escape(method)}" data-state="{escape(state or "empty")}"' if method else ""
+    return f'<div class="mtad-lane mtad-lane-empty"{data}>{head}<div class="lane-body">{escape(text)}</div></div>'
 
 
 def legend_html() -> str:

@@ -106,14 +106,31 @@ def mtad_table(step: Step, pieces: list[str], tau: float) -> str:
     for j, (lp, lq, d, ok) in enumerate(zip(step.log_p, step.log_q, diffs, passed, strict=True)):
         ratio = min(1.0, math.exp(d)) if math.isfinite(d) else 0.0
         cls = "row-acc" if j < eta else ""
+        if ok:
+            verdict = '<td class="v-pass">passes</td>'
+        elif j < eta:
+            verdict = f'<td class="v-fail v-kept">fails, kept: inside the passing prefix {eta}</td>'
+        else:
+            verdict = '<td class="v-fail">fails</td>'
         rows.append(
             f'<tr class="{cls}"><td>{j + 1}</td><td><span class="vtok">{escape(visible(pieces[j]))}</span></td>'
-            f"<td>{num(lq)}</td><td>{num(lp)}</td><td>{num(d)}</td><td>{ratio:.3f}</td>"
-            f'<td class="{"v-pass" if ok else "v-fail"}">{"passes" if ok else "fails"}</td></tr>'
+            f"<td>{num(lq)}</td><td>{num(lp)}</td><td>{num(d)}</td><td>{ratio:.3f}</td>{verdict}</tr>"
+        )
+    kept_failing = [str(j + 1) for j, ok in enumerate(passed) if j < eta and not ok]
+    note = ""
+    if kept_failing:
+        which = ", ".join(kept_failing)
+        several = len(kept_failing) > 1
+        note = (
+            f'<p class="v-kept-note">Prefix{"es" if several else ""} {which} fail{"" if several else "s"} on '
+            f"{'their' if several else 'its'} own, yet {'their' if several else 'its'} tokens are kept: they lie "
+            f"inside prefix {eta}, which passes. MTAD keeps the <b>longest</b> passing prefix, not the prefix "
+            "before the first failure — a joint ratio can dip and recover, because a later token the target "
+            "likes more than the draft did raises p/q for the whole prefix.</p>"
         )
     return (
         '<table class="v-table"><tr><th>prefix j</th><th>x_j</th><th>log q_j</th><th>log p_j</th>'
-        "<th>log p_j − log q_j</th><th>min(1, p_j/q_j)</th><th>&gt; τ ?</th></tr>" + "".join(rows) + "</table>"
+        "<th>log p_j − log q_j</th><th>min(1, p_j/q_j)</th><th>&gt; τ ?</th></tr>" + "".join(rows) + "</table>" + note
     )
 
 
