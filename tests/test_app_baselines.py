@@ -46,8 +46,8 @@ def tiny_presets(tiny_dirs: tuple[str, str], tmp_path_factory: pytest.TempPathFa
 def run_page(**changes: object) -> tuple:
     """The run handler's last output tuple for these widget values, in the page's input order."""
     values = {**BASE, **RACE, **changes}
-    request = SimpleNamespace(session_hash="h4-test")
-    handlers.CANCELS.arm("h4-test")
+    request = SimpleNamespace(session_hash="baselines-test")
+    handlers.CANCELS.arm("baselines-test")
     *_, last = handlers.run(*values.values(), request)
     return last
 

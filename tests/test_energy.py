@@ -25,7 +25,7 @@ from mtad.energy import (
     visible_device_token,
 )
 
-NO_GPU = "needs a CUDA GPU with NVML: this machine has none (the NVML path is run on a GPU by the lead)"
+NO_GPU = "needs a CUDA GPU with NVML: this machine has none"
 
 
 # --- pure arithmetic -------------------------------------------------------------------------------------------------
