@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import torch
-
 from mtad.decoding.autoregressive import ar_step
 from mtad.decoding.beams import beam_draft
 from mtad.decoding.rules import mtad_accept_length_t
-from mtad.decoding.state import DecodeState, to_host
+from mtad.decoding.state import DecodeState, kept_logprobs, to_host
 from mtad.events import Step
 from mtad.sampling import pick
 
@@ -30,9 +28,7 @@ def mtad_step(st: DecodeState) -> Step:
     eta = mtad_accept_length_t(joint_p, joint_q, st.settings.tau)
     extra = pick(log_p.index_select(0, eta.view(1))[0], st.settings, st.generator)
 
-    rows = torch.arange(g + 1, device=st.device)
-    kept = torch.where(rows < eta, torch.cat([draft, draft[:1]]), extra)
-    kept_lp = torch.log_softmax(logits, dim=-1)[rows, kept]
+    kept_lp = kept_logprobs(logits, draft, eta, extra)
     host = to_host(beams.tokens, beams.scores, beams.best, joint_p, joint_q, eta, extra, kept_lp)
     all_beams, scores, best, jp, jq, eta_i, extra_i, kept_lps = host
     width = len(scores)

@@ -8,7 +8,7 @@ from mtad.decoding.autoregressive import ar_step
 from mtad.decoding.beams import beam_draft
 from mtad.decoding.multidraft import kept_lengths, verified
 from mtad.decoding.rules import mtad_accept_length_t
-from mtad.decoding.state import DecodeState, to_host
+from mtad.decoding.state import DecodeState, kept_logprobs, to_host
 from mtad.events import Step
 from mtad.sampling import pick
 
@@ -35,10 +35,7 @@ def mtad_tree_step(st: DecodeState) -> Step:
     chosen = (rank - torch.arange(width, device=st.device)).argmax()
     eta = etas[chosen]
     extra = pick(log_p[chosen, eta], st.settings, st.generator)
-    rows = torch.arange(g + 1, device=st.device)
-    draft = beams.tokens[chosen]
-    kept = torch.where(rows < eta, torch.cat([draft, draft[:1]]), extra)
-    kept_lp = torch.log_softmax(logits[chosen], dim=-1)[rows, kept]
+    kept_lp = kept_logprobs(logits[chosen], beams.tokens[chosen], eta, extra)
     host = to_host(
         beams.tokens, beams.scores, beams.best, joint_p[chosen], joint_q[chosen], chosen, eta, extra, kept_lp
     )

@@ -6,7 +6,7 @@ import torch
 
 from mtad.decoding.autoregressive import ar_step
 from mtad.decoding.rules import sd_accept_length_t
-from mtad.decoding.state import DecodeState, to_host
+from mtad.decoding.state import DecodeState, kept_logprobs, to_host
 from mtad.events import Step
 from mtad.sampling import sample
 
@@ -54,9 +54,7 @@ def sd_step(st: DecodeState) -> Step:
         table = torch.cat([residual(p[:g], q), p[g:]], dim=0).index_select(0, row)[0]
         extra = sample(torch.where(table.sum() > 0, table, p.index_select(0, row)[0]), st.generator)
 
-    rows = torch.arange(g + 1, device=st.device)
-    kept = torch.where(rows < n, torch.cat([draft, draft[:1]]), extra)
-    kept_lp = torch.log_softmax(logits, dim=-1)[rows, kept]
+    kept_lp = kept_logprobs(logits, draft, n, extra)
     draft_ids, jp, jq, n_i, extra_i, kept_lps, us = to_host(
         draft, lp_x.cumsum(0), lq_x.cumsum(0), n, extra, kept_lp, uniforms
     )

@@ -198,3 +198,11 @@ def to_host(*tensors: torch.Tensor | None) -> list:
             vals = [int(v) for v in vals]
         out.append(vals[0] if t.dim() == 0 else vals)
     return out
+
+
+def kept_logprobs(logits: torch.Tensor, draft: torch.Tensor, n: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
+    """The target's unwarped log-probabilities [g+1] of what an iteration appends: the first ``n``
+    drafts, then ``extra`` at position n (entries past n are padding the caller drops), on the device."""
+    rows = torch.arange(draft.numel() + 1, device=draft.device)
+    kept = torch.where(rows < n, torch.cat([draft, draft[:1]]), extra)
+    return torch.log_softmax(logits, dim=-1)[rows, kept]
