@@ -13,6 +13,7 @@ from urllib.parse import urlparse
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+import mtad.shortlist_draft  # noqa: F401  (registers shortlist drafts with transformers' Auto classes)
 from mtad.gguf_cache import materialize
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -168,6 +169,13 @@ def resolve_device_map(device_map: str | None) -> str | None:
     return None if value == "none" else value
 
 
+def logits_width(model: torch.nn.Module) -> int:
+    """How many logits a model returns per position: its output layer's rows, or, for a model whose
+    head is not a module (a shortlist draft), the vocabulary size its logits are spread over."""
+    head = model.get_output_embeddings()
+    return head.weight.shape[0] if head is not None else model.config.vocab_size
+
+
 def load(
     draft: str,
     target: str,
@@ -202,7 +210,7 @@ def load(
         models = [_load(AutoModelForCausalLM, draft, name, dtype=dt, device_map=dev).eval(), target_model]
     else:
         models = [_load(AutoModelForCausalLM, src, name, dtype=dt, device_map=dev).eval() for src in (draft, target)]
-    sizes = [m.get_output_embeddings().weight.shape[0] for m in models]
+    sizes = [logits_width(m) for m in models]
     if min(sizes) < len(tok_t):
         raise PairError(
             f"a model's output layer is smaller than the tokenizer: draft {sizes[0]}, target {sizes[1]}, "

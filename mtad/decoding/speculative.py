@@ -27,13 +27,13 @@ def sd_step(st: DecodeState) -> Step:
     tokens = st.pending(st.draft)
     drafted, q_rows = [], []
     for _ in range(g):
-        lq = st.judged(st.run_draft(tokens))[0]
-        tok = lq.argmax() if greedy else sample(lq.exp(), st.generator)
+        lq = st.draft_logq(tokens)[0]
+        tok = st.draft_tokens(lq.argmax() if greedy else sample(lq.exp(), st.generator))
         drafted.append(tok)
         q_rows.append(lq)
         tokens = tok.view(1, 1)
     draft = torch.stack(drafted)
-    log_q = torch.stack(q_rows)
+    log_q = st.draft_full(torch.stack(q_rows))
 
     logits = st.run_target(draft)
     log_p = st.judged(logits)

@@ -1,0 +1,147 @@
+"""A Llama draft whose embedding and output head cover only a shortlist of the vocabulary.
+
+A 49k-token head dominates the cost of a small draft. This draft keeps the target's tokenizer and
+returns logits over the whole vocabulary, but computes them for ``shortlist_size`` frequent
+tokens only; every other token gets ``-inf``, i.e. q = 0. Every verification rule stays exact
+with q = 0 on some tokens (the target's residual covers them). Input tokens outside the
+shortlist share one learned "rare token" row. The head is tied to the first ``shortlist_size``
+embedding rows.
+
+The class is registered with transformers' Auto classes under ``model_type = "mtad_shortlist"``
+when this module is imported, so ``AutoModelForCausalLM.from_pretrained`` loads such a draft
+without ``trust_remote_code``: the code is this library's, not the checkpoint's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, LlamaConfig
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.models.llama.modeling_llama import LlamaModel, LlamaPreTrainedModel
+
+
+class ShortlistConfig(LlamaConfig):
+    """A Llama config plus the shortlist's size (the token ids themselves are a saved buffer)."""
+
+    model_type = "mtad_shortlist"
+
+    def __init__(self, shortlist_size: int = 8192, **kwargs: Any) -> None:
+        self.shortlist_size = shortlist_size
+        kwargs["tie_word_embeddings"] = False  # the head reads the embedding's rows itself
+        super().__init__(**kwargs)
+
+
+class ShortlistEmbedding(nn.Module):
+    """Token id -> row of a ``[shortlist_size + 1, hidden]`` table; the last row is "rare token"."""
+
+    def __init__(self, vocab_size: int, shortlist_size: int, hidden: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(shortlist_size + 1, hidden))
+        self.register_buffer("row_of", torch.full((vocab_size,), shortlist_size, dtype=torch.long))
+        self.register_buffer("tokens", torch.arange(shortlist_size, dtype=torch.long))
+
+    def set_shortlist(self, tokens: torch.Tensor) -> None:
+        """Make ``tokens`` (distinct ids, most frequent first) the shortlist, in that row order."""
+        k = self.weight.shape[0] - 1
+        if tokens.numel() != k or tokens.unique().numel() != k:
+            raise ValueError(f"the shortlist needs {k} distinct token ids, got {tokens.numel()}")
+        self.tokens.copy_(tokens)
+        self.row_of.fill_(k)
+        self.row_of[tokens] = torch.arange(k, device=tokens.device)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(self.row_of[input_ids], self.weight)
+
+
+class ShortlistForCausalLM(LlamaPreTrainedModel, GenerationMixin):
+    """Llama layers between a shortlist embedding and a tied shortlist head; full-vocabulary logits."""
+
+    config_class = ShortlistConfig
+    config: ShortlistConfig
+
+    def __init__(self, config: ShortlistConfig) -> None:
+        super().__init__(config)
+        self.model = LlamaModel(config)
+        self.model.embed_tokens = ShortlistEmbedding(config.vocab_size, config.shortlist_size, config.hidden_size)
+        self.vocab_size = config.vocab_size
+        self.post_init()
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, ShortlistEmbedding):
+            nn.init.normal_(module.weight, std=self.config.initializer_range)
+        else:
+            super()._init_weights(module)
+
+    @classmethod
+    def from_target(cls, target: Any, tokens: torch.Tensor, layers: tuple[int, ...]) -> ShortlistForCausalLM:
+        """A draft made of a Llama target's ``layers`` (in order), final norm and embedding rows of
+        ``tokens`` (the shortlist, most frequent first); the rare-token row is the rows' mean."""
+        cfg = ShortlistConfig(
+            shortlist_size=len(tokens), **{**target.config.to_dict(), "num_hidden_layers": len(layers)}
+        )
+        cfg.architectures = [cls.__name__]
+        model = cls(cfg).to(torch.float32)
+        emb = target.get_input_embeddings().weight.detach().float()
+        with torch.no_grad():
+            model.model.embed_tokens.set_shortlist(tokens)
+            model.model.embed_tokens.weight.copy_(torch.cat([emb[tokens], emb.mean(0, keepdim=True)]))
+            model.model.norm.load_state_dict(target.model.norm.state_dict())
+            for mine, theirs in zip(model.model.layers, layers, strict=True):
+                mine.load_state_dict(target.model.layers[theirs].state_dict())
+        return model
+
+    @property
+    def columns(self) -> torch.Tensor:
+        """The token id of each shortlist logit (``shortlist_only`` output), ``[shortlist_size]``."""
+        return self.model.embed_tokens.tokens
+
+    def get_output_embeddings(self) -> None:
+        return None  # the head is the embedding's first rows, not a module to tie or resize
+
+    def shortlist_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the shortlist only, ``[..., shortlist_size]`` (what training needs)."""
+        k = self.config.shortlist_size
+        return F.linear(hidden, self.model.embed_tokens.weight[:k])
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Any = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        shortlist_only: bool = False,
+        **kwargs: Any,
+    ) -> CausalLMOutputWithPast:
+        """Like ``LlamaForCausalLM.forward``: logits ``[B, T, vocab_size]``, ``-inf`` off the shortlist.
+
+        ``shortlist_only``: logits ``[B, T, shortlist_size]`` over :attr:`columns` instead, which
+        spares a decoder's sampling and beam search the columns that are ``-inf`` anyway."""
+        kwargs.pop("labels", None)
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden = out.last_hidden_state
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        short = self.shortlist_logits(hidden[:, keep])
+        if shortlist_only:
+            return CausalLMOutputWithPast(logits=short, past_key_values=out.past_key_values)
+        logits = short.new_full((*short.shape[:-1], self.vocab_size), float("-inf"))
+        logits.index_copy_(-1, self.model.embed_tokens.tokens, short)
+        return CausalLMOutputWithPast(logits=logits, past_key_values=out.past_key_values)
+
+
+AutoConfig.register(ShortlistConfig.model_type, ShortlistConfig, exist_ok=True)
+AutoModelForCausalLM.register(ShortlistConfig, ShortlistForCausalLM, exist_ok=True)

@@ -1,0 +1,151 @@
+"""The shortlist draft (mtad.shortlist_draft): a Llama whose head covers only some tokens, q = 0 elsewhere.
+
+It must load through the pair's own ``from_pretrained`` (no remote code), build exactly from a
+target's layers, keep KV-cached logits equal to a recompute, and leave every decoder exact: the
+tokens it can never propose still come out of speculative sampling at the target's rate (the
+residual carries them), and greedy speculative decoders still equal greedy AR.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_model, make_tokenizer, save_pair
+from test_sd_distribution import ALPHA, RUNS, exact_first_two, gof_pvalue, sampled_first_two
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from mtad.decoding import generate
+from mtad.pair import ModelPair, load
+from mtad.sampling import log_probs
+from mtad.settings import Settings
+from mtad.shortlist_draft import ShortlistForCausalLM
+
+SD = Settings(method="sd", gamma=2, max_new_tokens=3, temperature=1.3, top_k=5, top_p=0.99)
+
+
+def shortlist_of(target: LlamaForCausalLM, k: int) -> torch.Tensor:
+    """Token ids 1..k, most frequent first (any distinct ids will do; EOS 0 is left off)."""
+    return torch.arange(1, k + 1)
+
+
+@pytest.fixture(scope="module")
+def micro_shortlist_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """The micro pair's 10-token target, and a draft of its one layer with 6 of the 10 tokens."""
+    tok = make_tokenizer("abc", 10)
+    target = make_model(len(tok), 32, 1, seed=4, init=0.6)
+    draft = ShortlistForCausalLM.from_target(target, shortlist_of(target, 6), layers=(0,))
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():  # not the target itself: drafts must be rejected too
+        for p in draft.model.layers.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.3 * p.std())
+    return save_pair(tmp_path_factory.mktemp("shortlist"), tok, draft, target)
+
+
+@pytest.fixture(scope="module")
+def micro_shortlist_pair(micro_shortlist_dirs: tuple[str, str]) -> ModelPair:
+    return load(*micro_shortlist_dirs, device="cpu")
+
+
+def test_loads_through_the_pair_without_remote_code(micro_shortlist_pair: ModelPair) -> None:
+    assert isinstance(micro_shortlist_pair.draft, ShortlistForCausalLM)
+    assert micro_shortlist_pair.draft.config.model_type == "mtad_shortlist"
+    tokens = micro_shortlist_pair.draft.model.embed_tokens.tokens
+    assert tokens.tolist() == list(range(1, 7)), "the shortlist buffer was not saved and loaded"
+
+
+def test_logits_are_minus_infinity_off_the_shortlist(micro_shortlist_pair: ModelPair) -> None:
+    draft = micro_shortlist_pair.draft
+    ids = torch.tensor([[1, 2, 3, 8, 9, 2]])  # 8 and 9 are off the list: they read the rare row
+    with torch.inference_mode():
+        logits = draft(input_ids=ids).logits[0]
+    on = torch.zeros(logits.shape[-1], dtype=torch.bool)
+    on[1:7] = True
+    assert torch.isfinite(logits[:, on]).all()
+    assert torch.isneginf(logits[:, ~on]).all()
+    q = log_probs(logits[-1], SD).exp()
+    assert q[~on].eq(0).all() and q.sum().item() == pytest.approx(1.0, abs=1e-6)
+
+
+def test_from_target_with_every_layer_and_token_is_the_target() -> None:
+    """With all layers and all tokens (and a tied target), the draft computes the target exactly."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=24, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=True, initializer_range=0.3,
+    )  # fmt: skip
+    target = LlamaForCausalLM(cfg).eval()
+    order = torch.randperm(24)
+    draft = ShortlistForCausalLM.from_target(target, order, layers=(0, 1)).eval()
+    ids = torch.randint(0, 24, (2, 9))
+    with torch.inference_mode():
+        torch.testing.assert_close(draft(input_ids=ids).logits, target(input_ids=ids).logits)
+        one = ShortlistForCausalLM.from_target(target, order, layers=(1,)).eval()
+        assert not torch.allclose(one(input_ids=ids).logits, target(input_ids=ids).logits)
+
+
+def test_cached_logits_equal_a_full_recompute(micro_shortlist_pair: ModelPair) -> None:
+    draft = micro_shortlist_pair.draft
+    ids = torch.tensor([[1, 2, 9, 3, 4, 8, 5, 6, 2, 1]])
+    with torch.inference_mode():
+        full = draft(input_ids=ids).logits
+        cache = DynamicCache(config=draft.config)
+        parts = [
+            draft(input_ids=ids[:, a:b], past_key_values=cache, use_cache=True).logits
+            for a, b in ((0, 4), (4, 5), (5, 10))
+        ]
+    cached = torch.cat(parts, dim=1)
+    finite = torch.isfinite(full)
+    assert torch.equal(finite, torch.isfinite(cached))
+    torch.testing.assert_close(cached[finite], full[finite], atol=1e-5, rtol=1e-5)
+
+
+def test_sd_with_a_shortlist_draft_matches_the_target_distribution(micro_shortlist_pair: ModelPair) -> None:
+    """Tokens the draft never proposes (q = 0) must still come out at the target's rate."""
+    pair = micro_shortlist_pair
+    ids = pair.encode("abcab")
+    law = exact_first_two(pair, ids, SD)
+    off = {7, 8, 9}
+    assert sum(v for k, v in law.items() if k[0] in off) > 0.05, "the target must put mass off the shortlist"
+    counts = sampled_first_two(pair, ids, SD)
+    assert sum(v for k, v in counts.items() if k[0] in off) >= RUNS // 40
+    assert gof_pvalue(counts, law) > ALPHA
+
+
+@pytest.mark.parametrize("method", ["sd", "mtad", "spectr", "specinfer", "bild", "mtad-tree", "hf-assisted"])
+def test_greedy_with_a_shortlist_draft_equals_greedy_ar(micro_shortlist_pair: ModelPair, method: str) -> None:
+    pair = micro_shortlist_pair
+    base = Settings(max_new_tokens=24, temperature=0.0, gamma=3, beams=4, tau=1.0, tau2=0.0, num_drafts=2)
+    ar = generate(pair, "abcab", base.with_(method="ar"), raw=True)
+    out = generate(pair, "abcab", base.with_(method=method), raw=True)
+    assert out.new_ids == ar.new_ids
+
+
+def test_a_shortlist_draft_is_refused_when_it_names_a_token_twice(tmp_path: Path) -> None:
+    target = make_model(10, 16, 1, seed=1)
+    with pytest.raises(ValueError, match="distinct"):
+        ShortlistForCausalLM.from_target(target, torch.tensor([1, 2, 2]), layers=(0,))
+
+
+@pytest.mark.parametrize("method", ["sd", "mtad"])
+@pytest.mark.parametrize("greedy", [True, False])
+def test_column_drafting_keeps_one_host_read_per_iteration(
+    monkeypatch: pytest.MonkeyPatch, micro_shortlist_pair: ModelPair, method: str, greedy: bool
+) -> None:
+    """Drafting over the shortlist's columns maps indices to ids on the device: no extra host read."""
+    from collections import Counter
+
+    from test_syncs import host_reads
+
+    from mtad.decoding import DECODERS
+    from mtad.decoding.state import DecodeState
+
+    pair = micro_shortlist_pair
+    settings = Settings(method=method, greedy=greedy, max_new_tokens=40, gamma=3, beams=3, tau=0.1, seed=1)
+    st = DecodeState.start(pair, pair.encode("abcab"), settings)
+    assert st.draft.columns is not None
+    for _ in range(4):
+        with host_reads(monkeypatch) as counts:
+            step = DECODERS[method].step(st)
+        assert counts == Counter(tolist=1), (step.index, counts)
