@@ -13,7 +13,9 @@ the K tokens that carry the sampling mass) on two sources that exist offline:
 Two processes, both resumable, share the work directory (default ``.train-chat/``): ``--stage
 data`` writes shards of (token ids, teacher top-K) and ``--stage train`` trains on every shard
 written so far (replay), checkpointing as it goes. Shard numbers ending in 9 are held out.
-The draft's tied embedding starts from a PCA of the target's embedding matrix.
+The draft (:mod:`mtad.shortlist_draft`) starts as the target's own first layers, final norm and
+embedding rows for the shortlist of the most frequent tokens in the data (tokens and teacher
+top-1), with a tied shortlist head: a 49k-token head would cost more than the layers.
 
 Usage::
 
@@ -37,14 +39,13 @@ from typing import Any
 
 import torch
 
-from mtad.train_pair import Size, make_config
-
 WORK = Path(".train-chat")
 OUT = Path("assets/models/smollm2-draft")
 DOCS = Path("/usr/share/doc/python3.11/html/_sources")
 TOPK = 32
 SEED = 20261122
-DRAFT = Size(hidden=192, layers=3, heads=3, ffn=512, kv_heads=1)
+LAYERS = (0, 1)  # which of the target's layers the draft starts from
+SHORTLIST = 8192  # tokens with an output row: 95% of the target's held-out top-1 choices
 
 TASKS = [
     "Explain {t} to a ten-year-old.",
@@ -227,28 +228,20 @@ def save_shard(work: Path, state: dict, samples: list[dict], kind: str) -> None:
 # --------------------------------------------------------------------------- train stage
 
 
-def pca_embedding(target: Any, dim: int) -> torch.Tensor:
-    """The target's token embeddings projected on their top ``dim`` principal directions."""
-    emb = target.get_input_embeddings().weight.detach().float()
-    centred = emb - emb.mean(0)
-    _, _, v = torch.linalg.svd(
-        centred[torch.randperm(len(emb), generator=torch.Generator().manual_seed(SEED))[:8192]], full_matrices=False
-    )
-    proj = centred @ v[:dim].T
-    return proj * (0.02 / proj.std())
+def shortlist_tokens(samples: list[dict], k: int = SHORTLIST) -> torch.Tensor:
+    """The ``k`` most frequent ids among the samples' tokens and their teacher top-1 choices."""
+    count = torch.zeros(49152, dtype=torch.long)
+    for s in samples:
+        count.index_add_(0, s["ids"].long(), torch.ones(len(s["ids"]), dtype=torch.long))
+        count.index_add_(0, s["idx"][:, 0].long(), torch.ones(len(s["idx"]), dtype=torch.long))
+    return count.argsort(descending=True, stable=True)[:k]
 
 
-def build_draft(tok: Any, target: Any) -> Any:
-    from transformers import LlamaForCausalLM
+def build_draft(target: Any, tokens: torch.Tensor, layers: tuple[int, ...] = LAYERS) -> Any:
+    """The shortlist draft that training starts from: the target's ``layers`` and embedding rows."""
+    from mtad.shortlist_draft import ShortlistForCausalLM
 
-    cfg = make_config(DRAFT, target.config.vocab_size, tok.eos_token_id, target.config.max_position_embeddings)
-    cfg.bos_token_id = tok.bos_token_id
-    cfg.pad_token_id = tok.pad_token_id
-    torch.manual_seed(SEED)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        model.get_input_embeddings().weight.copy_(pca_embedding(target, DRAFT.hidden))
-    return model
+    return ShortlistForCausalLM.from_target(target, tokens, layers)
 
 
 class Shards:
@@ -285,15 +278,20 @@ def batch_of(samples: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 
 
 def distil_loss(model: Any, samples: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cross-entropy to the teacher's renormalised top-K, and top-1 agreement, per position."""
+    """Cross-entropy to the teacher's top-K renormalised on the shortlist, and top-1 agreement
+    (a teacher top-1 off the shortlist counts as a miss), per position."""
     ids, pos, idx, lp = batch_of(samples)
+    emb = model.model.embed_tokens
     with torch.autocast("cpu", dtype=torch.bfloat16):
         hidden = model.model(input_ids=ids).last_hidden_state
-        logits = model.lm_head(hidden[pos[:, 0], pos[:, 1]])
+        logits = model.shortlist_logits(hidden[pos[:, 0], pos[:, 1]])
     logq = torch.log_softmax(logits.float(), dim=-1)
-    teacher = torch.softmax(lp, dim=-1)
-    loss = -(teacher * logq.gather(1, idx)).sum(-1).mean()
-    agree = (logq.argmax(-1) == idx[:, 0]).float().mean()
+    rows = emb.row_of[idx]
+    on = rows < logits.shape[-1]
+    teacher = torch.softmax(lp, dim=-1) * on
+    teacher = teacher / teacher.sum(-1, keepdim=True).clamp_min(1e-9)
+    loss = -(teacher * logq.gather(1, rows.clamp_max(logits.shape[-1] - 1))).sum(-1).mean()
+    agree = (emb.tokens[logq.argmax(-1)] == idx[:, 0]).float().mean()
     return loss, agree
 
 
@@ -309,13 +307,14 @@ def train(work: Path, steps: int, batch: int, lr: float, minutes: float | None =
     while shards.refresh() < 64:
         print("[train] waiting for data", flush=True)
         time.sleep(30)
-    target, tok = load_target(torch.float32)
-    model = build_draft(tok, target)
+    saved = torch.load(ckpt) if ckpt.exists() else None
+    tokens = saved["model"]["model.embed_tokens.tokens"] if saved else shortlist_tokens(shards.train)
+    target, _ = load_target(torch.float32)
+    model = build_draft(target, tokens)
     del target
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     step, log, spent = 0, [], 0.0
-    if ckpt.exists():
-        saved = torch.load(ckpt)
+    if saved:
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["opt"])
         step, log, spent = saved["step"], saved["log"], saved.get("seconds", 0.0)
@@ -326,7 +325,7 @@ def train(work: Path, steps: int, batch: int, lr: float, minutes: float | None =
         if step % 50 == 0:
             shards.refresh()
         for g in opt.param_groups:
-            g["lr"] = lr * min(1.0, (step + 1) / 50) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
+            g["lr"] = lr * min(1.0, (step + 1) / 30) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
         chosen = rng.sample(shards.train, batch)
         loss, agree = distil_loss(model, chosen)
         opt.zero_grad(set_to_none=True)
@@ -376,6 +375,8 @@ def report(work: Path, out: Path) -> dict:
     and its forward cost against the target's, as the model card quotes them."""
     from transformers import AutoModelForCausalLM
 
+    import mtad.shortlist_draft  # noqa: F401  (registers the draft's class with the Auto classes)
+
     torch.set_num_threads(1)
     shards = Shards(work)
     shards.refresh()
@@ -416,7 +417,7 @@ def export(work: Path, out: Path) -> None:
     """Latest checkpoint -> a bf16 transformers directory with the target's tokenizer."""
     saved = torch.load(work / "draft.pt")
     target, tok = load_target(torch.float32)
-    model = build_draft(tok, target)
+    model = build_draft(target, saved["model"]["model.embed_tokens.tokens"])
     model.load_state_dict(saved["model"])
     model.generation_config.eos_token_id = tok.eos_token_id
     model.to(torch.bfloat16).save_pretrained(out)
@@ -435,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--docs-per-gen", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--minutes", type=float, help="end the cosine schedule after this much training time")
     args = ap.parse_args(argv)
     if args.stage == "data":
