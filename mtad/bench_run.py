@@ -1,9 +1,9 @@
 """The bench's running: cases (a method and its settings), one run, and the loop over prompts and seeds.
 
 Every run is one (case, prompt, seed, repeat); each gets its own energy window and its metrics come from
-``mtad.metrics.summarize`` on its Steps. Cases run one at a time with the same prompts and seeds, so
-comparisons are paired. A case that raises (out of memory, ...) is recorded with its error and the bench
-goes on with the next case; ``time_budget`` stops a case after that many seconds of measured runs.
+``mtad.metrics.summarize`` on its Steps. Cases take turns on the same prompts and seeds, so comparisons
+are paired, in content and in the machine's load. A case that raises (out of memory, ...) is recorded
+with its error and the others go on; ``time_budget`` stops a case after that many seconds of measured runs.
 """
 
 from __future__ import annotations
@@ -158,62 +158,64 @@ def run_bench(
     meter: EnergyMeter | None = None,
     time_budget: float | None = None,
 ) -> BenchResult:
-    """Run every case on every prompt and seed, ``repeats`` times, one run at a time, after ``warmup``
-    uncounted runs per case. A case that raises is recorded in ``failures`` and the next case runs;
-    Ctrl-C keeps what was measured."""
+    """Run every case on every prompt and seed, ``repeats`` times, after ``warmup`` uncounted runs per
+    case. Cases take turns on each (prompt, seed, repeat), so a machine whose load drifts during the
+    bench weighs on every row alike and the speed ratios stay paired. A case that raises is recorded in
+    ``failures`` and drops out; the others go on. Ctrl-C keeps what was measured."""
     meter = meter or EnergyMeter(pair.device)
-    per_case = warmup + len(prompts) * len(seeds) * repeats
     result = BenchResult()
-    with tqdm(total=len(cases) * per_case, file=sys.stderr, disable=not progress, unit="run") as bar:
+    spent = dict.fromkeys(range(len(cases)), 0.0)  # measured seconds of each case still running
+    runs = list(itertools.product(enumerate(prompts), seeds, range(repeats)))
+    with tqdm(total=len(cases) * (warmup + len(runs)), file=sys.stderr, disable=not progress, unit="run") as bar:
         try:
-            for case in cases:  # one at a time: warm-up first, then prompts x seeds x repeats
-                bar.set_description(case.label)
-                done = run_one_case(pair, case, prompts, encoded, seeds, repeats, warmup, keep_steps, meter,
-                                    time_budget, result, bar)  # fmt: skip
-                bar.update(per_case - done)
+            for k, case in enumerate(cases):
+                bar.set_description(f"warm-up {case.label}")
+                for _ in range(warmup):
+                    guarded(pair, case, result, spent, k, encoded[0], seeds[0])
+                    bar.update()
+            for (i, prompt), seed, rep in runs:
+                bar.set_description(f"prompt {i + 1}/{len(prompts)} seed {seed}")
+                for k in list(spent):
+                    case = cases[k]
+                    if time_budget is not None and spent[k] >= time_budget:
+                        result.budget_stopped.append(case.label)
+                        del spent[k]
+                        continue
+                    t0 = time.perf_counter()
+                    out = guarded(pair, case, result, spent, k, encoded[i], seed, meter)
+                    if out is not None:
+                        spent[k] += time.perf_counter() - t0
+                        steps, reading = out
+                        text = pair.decode([t for st in steps for t in st.appended_ids])
+                        result.records.append(make_record(case, prompt, i, encoded[i], seed, rep, steps, reading, text))
+                        if keep_steps:
+                            result.steps.append([st.to_dict() for st in steps])
+                    bar.update()
         except KeyboardInterrupt:  # keep what was measured: the table and files say it is partial
             result.interrupted = True
     return result
 
 
-def run_one_case(
+def guarded(
     pair: ModelPair,
     case: Case,
-    prompts: Sequence[Prompt],
-    encoded: Sequence[list[int]],
-    seeds: Sequence[int],
-    repeats: int,
-    warmup: int,
-    keep_steps: bool,
-    meter: EnergyMeter,
-    time_budget: float | None,
     result: BenchResult,
-    bar: tqdm,
-) -> int:
-    """One case's warm-ups and measured runs into ``result``; returns how many runs it made. Any error
-    (not Ctrl-C) ends the case: it is recorded, and CUDA memory is released for the next case."""
-    done, spent = 0, 0.0
+    running: dict[int, float],
+    k: int,
+    prompt_ids: list[int],
+    seed: int,
+    meter: EnergyMeter | None = None,
+) -> tuple[list[Step], EnergyReading | None] | None:
+    """``run_case``, or None after recording its error: the case (index ``k``) drops out of ``running``
+    and CUDA memory is released for the others. Ctrl-C is not caught."""
+    if k not in running:
+        return None
     try:
-        for _ in range(warmup):
-            run_case(pair, case, encoded[0], seeds[0])
-            done += 1
-            bar.update()
-        for (i, prompt), seed, rep in itertools.product(enumerate(prompts), seeds, range(repeats)):
-            if time_budget is not None and spent >= time_budget:
-                result.budget_stopped.append(case.label)
-                break
-            t0 = time.perf_counter()
-            steps, reading = run_case(pair, case, encoded[i], seed, meter)
-            spent += time.perf_counter() - t0
-            text = pair.decode([t for st in steps for t in st.appended_ids])
-            result.records.append(make_record(case, prompt, i, encoded[i], seed, rep, steps, reading, text))
-            if keep_steps:
-                result.steps.append([st.to_dict() for st in steps])
-            done += 1
-            bar.update()
+        return run_case(pair, case, prompt_ids, seed, meter)
     except Exception as exc:  # one failing case (out of memory, ...) must not lose the others' runs
         result.failures[case.label] = f"{type(exc).__name__}: {exc}".strip()
+        del running[k]
         gc.collect()
         if pair.device.type == "cuda":
             torch.cuda.empty_cache()
-    return done
+        return None

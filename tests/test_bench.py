@@ -255,6 +255,22 @@ def test_sampled_runs_reproduce_generate_with_the_same_seed(tiny_pair, tiny_dirs
         assert rec["new_ids"] == generate(tiny_pair, PROMPTS[0]["prompt"], settings).new_ids
 
 
+def test_cases_take_turns_on_each_prompt_and_seed(tiny_pair, prompts_file):
+    """Interleaved, not case after case: a load that drifts during the bench weighs on every row alike."""
+    res = bench_run.run_bench(
+        tiny_pair,
+        bench_run.build_cases(["ar", "sd", "mtad"], Settings(max_new_tokens=4), [2], [2], [0.1]),
+        read_prompts(prompts_file, limit=2),
+        [tiny_pair.encode("abc de fgh"), tiny_pair.encode("hag bed cab")],
+        seeds=[0, 1],
+        repeats=1,
+        warmup=1,
+        progress=False,
+    )
+    order = [(r["prompt_index"], r["seed"], r["method"]) for r in res.records]
+    assert order == [(i, seed, m) for i in (0, 1) for seed in (0, 1) for m in ("ar", "sd", "mtad")]
+
+
 def test_hf_assisted_restores_both_generation_configs(tiny_pair):
     configs = (tiny_pair.target.generation_config, tiny_pair.draft.generation_config)
     before = [c.to_dict() for c in configs]
