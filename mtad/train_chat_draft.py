@@ -96,12 +96,67 @@ TOPICS = (
 # --------------------------------------------------------------------------- sources
 
 
+CODE_TASKS = [
+    "Write a Python function that {c}.",
+    "Write a Python function that {c}, with a docstring and one example.",
+    "Explain, step by step, how you would write a program that {c}.",
+    "Write a JavaScript function that {c}.",
+    "Write a Python function that {c}, and explain its time complexity.",
+]
+CODE = (
+    "reverses a list;counts the vowels in a string;returns the largest of three numbers;merges two sorted lists;"
+    "removes duplicates from a list while keeping the order;checks whether a number is even;converts Celsius to "
+    "Fahrenheit;computes the factorial of n;finds the second largest number in a list;capitalizes every word in a "
+    "sentence;counts how often each word appears in a text;checks whether two strings are anagrams;flattens a list "
+    "of lists;returns the greatest common divisor of two numbers;sorts a list of dictionaries by a key;reads a text "
+    "file and returns its number of lines;validates a simple email address;converts a binary string to an integer;"
+    "computes the average of a list of numbers;returns the first n prime numbers;checks whether a year is a leap "
+    "year;finds the longest word in a sentence;rotates a list by k positions;sums the digits of a number;returns "
+    "the intersection of two lists;implements binary search;transposes a matrix;generates all subsets of a set;"
+    "checks whether brackets in a string are balanced;converts a Roman numeral to an integer;computes the median "
+    "of a list;groups words by their first letter;chunks a list into pieces of size n;returns the n-th triangular "
+    "number;removes all whitespace from a string;checks whether a list is sorted;computes compound interest;"
+    "counts the words in a sentence;returns the minimum and maximum of a list;implements bubble sort"
+).split(";")
+MATH_TASKS = [
+    "What is {a} plus {b}? Show your working.",
+    "What is {a} times {c}? Explain each step.",
+    "What is {a} minus {b}?",
+    "Divide {a} by {c} and give the answer to two decimal places.",
+    "What is {c} percent of {a}?",
+    "Solve for y: {c}y - {b} = {a}.",
+    "A car drives {a} km at {c} km per hour. How long does the trip take?",
+    "A book costs ${c} and a pen costs ${d}. How much do {d} books and {c} pens cost together?",
+    "Is {a} divisible by {d}? Explain.",
+    "What is the average of {b}, {c} and {a}?",
+    "A rectangle is {c} cm long and {d} cm wide. What are its area and perimeter?",
+    "Round {a}.{d}{c} to the nearest whole number and explain why.",
+]
+REASONING_TASKS = [
+    "Explain the difference between {t} and {u}.",
+    "Which is older, {t} or {u}? Explain your reasoning.",
+    "Give one argument for and one against {t}.",
+    "Plan a one-day schedule for someone interested in {t}.",
+    "What would happen if {t} disappeared tomorrow? Think it through step by step.",
+    "Write a short, polite message to a neighbour about {t}.",
+]
+
+
 def chat_prompts(exclude: set[str]) -> list[str]:
-    """Every task x topic instruction, seeded shuffle, minus any evaluation prompt."""
-    prompts = [t.format(t=topic) for t, topic in itertools.product(TASKS, TOPICS)]
-    prompts = [p for p in prompts if p not in exclude]
-    random.Random(SEED).shuffle(prompts)
-    return prompts
+    """Every task x topic instruction, seeded shuffle; then (appended, so a producer's saved position
+    still points into the same list) coding, arithmetic and reasoning instructions, seeded shuffle;
+    minus any evaluation prompt."""
+    first = [t.format(t=topic) for t, topic in itertools.product(TASKS, TOPICS)]
+    random.Random(SEED).shuffle(first)
+    rng = random.Random(SEED + 1)
+    more = [t.format(c=c) for t, c in itertools.product(CODE_TASKS, CODE)]
+    for _ in range(40):
+        a, b, c, d = rng.randint(100, 999), rng.randint(10, 99), rng.randint(3, 19), rng.randint(2, 9)
+        more += [t.format(a=a, b=b, c=c, d=d) for t in MATH_TASKS]
+    for t in REASONING_TASKS:
+        more += [t.format(t=x, u=y) for x, y in zip(rng.sample(TOPICS, 60), rng.sample(TOPICS, 60), strict=True)]
+    rng.shuffle(more)
+    return [p for p in first + more if p not in exclude]
 
 
 def eval_prompts() -> set[str]:
