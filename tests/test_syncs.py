@@ -79,6 +79,18 @@ def test_one_host_read_per_iteration(monkeypatch: pytest.MonkeyPatch, embedded, 
     assert method == "ar" or accepted > 0  # the paths after an acceptance ran too
 
 
+@pytest.mark.parametrize("greedy", [True, False])
+def test_mtad_tree_reads_the_host_twice_per_iteration(monkeypatch: pytest.MonkeyPatch, embedded, greedy: bool) -> None:
+    """MTAD over all beams reads the beams' token ids once to lay out the token tree (its shared
+    prefixes), then its result once; nothing else (no 0-d tensor indexing)."""
+    settings = Settings(method="mtad-tree", greedy=greedy, max_new_tokens=60, gamma=3, beams=3, tau=0.1, seed=1)
+    st = DecodeState.start(embedded, embedded.encode("def add(a, b):\n    "), settings)
+    for _ in range(4):
+        with host_reads(monkeypatch) as counts:
+            step = DECODERS["mtad-tree"].step(st)
+        assert counts == Counter(tolist=2), (step.index, counts)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: set_sync_debug_mode counts real syncs")
 @pytest.mark.parametrize("method", ["ar", "sd", "mtad"])
 def test_one_cuda_sync_per_iteration(method: str) -> None:

@@ -33,12 +33,13 @@ def mtad_tree_step(st: DecodeState) -> Step:
     width = etas.numel()
     rank = etas * (2 * width) + (torch.arange(width, device=st.device) == beams.best) * width
     chosen = (rank - torch.arange(width, device=st.device)).argmax()
-    eta = etas[chosen]
-    extra = pick(log_p[chosen, eta], st.settings, st.generator)
-    kept_lp = kept_logprobs(logits[chosen], beams.tokens[chosen], eta, extra)
-    host = to_host(
-        beams.tokens, beams.scores, beams.best, joint_p[chosen], joint_q[chosen], chosen, eta, extra, kept_lp
-    )
+    row = chosen.view(1)  # index_select, not [0-d tensor] indexing, which reads the index on the host
+    eta = etas.index_select(0, row)[0]
+    log_p_row = log_p.index_select(0, row)[0]
+    extra = pick(log_p_row.index_select(0, eta.view(1))[0], st.settings, st.generator)
+    kept_lp = kept_logprobs(logits.index_select(0, row)[0], beams.tokens.index_select(0, row)[0], eta, extra)
+    jp_row, jq_row = joint_p.index_select(0, row)[0], joint_q.index_select(0, row)[0]
+    host = to_host(beams.tokens, beams.scores, beams.best, jp_row, jq_row, chosen, eta, extra, kept_lp)
     all_beams, scores, best, jp, jq, chosen_i, eta_i, extra_i, kept_lps = host
     all_beams = [all_beams[i * g : (i + 1) * g] for i in range(width)]
     checked.keep(chosen_i, eta_i)
