@@ -21,6 +21,7 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, LlamaConfig
 from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_utils import slice_logits_to_keep
 from transformers.models.llama.modeling_llama import LlamaModel, LlamaPreTrainedModel
 
 
@@ -133,9 +134,7 @@ class ShortlistForCausalLM(LlamaPreTrainedModel, GenerationMixin):
             use_cache=use_cache,
             **kwargs,
         )
-        hidden = out.last_hidden_state
-        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        short = self.shortlist_logits(hidden[:, keep])
+        short = self.shortlist_logits(slice_logits_to_keep(out.last_hidden_state, logits_to_keep))
         if shortlist_only:
             return CausalLMOutputWithPast(logits=short, past_key_values=out.past_key_values)
         logits = short.new_full((*short.shape[:-1], self.vocab_size), float("-inf"))

@@ -24,7 +24,7 @@ class CachedLM:
         self.cache = DynamicCache(config=model.config)
         self.calls = 0
         self._keep = "logits_to_keep" in inspect.signature(model.forward).parameters
-        # a shortlist draft computes logits for some tokens only (the rest are -inf): see feed_columns
+        # a shortlist draft computes logits for some tokens only (the rest are -inf): see feed
         self.columns: torch.Tensor | None = getattr(model, "columns", None)
 
     @property
@@ -33,24 +33,18 @@ class CachedLM:
         return self.cache.get_seq_length()
 
     @torch.inference_mode()
-    def feed(self, tokens: torch.Tensor, keep: int = 1) -> torch.Tensor:
-        """Run ``tokens`` [B, n] after the cached context; fp32 logits of the last ``keep`` positions."""
+    def feed(self, tokens: torch.Tensor, keep: int = 1, columns: bool = False) -> torch.Tensor:
+        """Run ``tokens`` [B, n] after the cached context; fp32 logits of the last ``keep`` positions.
+
+        ``columns``: over :attr:`columns` only when the model has a shortlist (``[B, keep, len(columns)]``),
+        over the whole vocabulary otherwise."""
         kwargs = {"logits_to_keep": keep} if self._keep else {}
+        short = columns and self.columns is not None
+        if short:
+            kwargs["shortlist_only"] = True
         out = self.model(input_ids=tokens, past_key_values=self.cache, use_cache=True, **kwargs)
         self.calls += 1
-        return out.logits[:, -keep:, : self.vocab].float()
-
-    @torch.inference_mode()
-    def feed_columns(self, tokens: torch.Tensor, keep: int = 1) -> torch.Tensor:
-        """Like :meth:`feed`, but over :attr:`columns` only when the model has a shortlist (logits
-        ``[B, keep, len(columns)]``); over the whole vocabulary otherwise."""
-        if self.columns is None:
-            return self.feed(tokens, keep)
-        out = self.model(
-            input_ids=tokens, past_key_values=self.cache, use_cache=True, logits_to_keep=keep, shortlist_only=True
-        )
-        self.calls += 1
-        return out.logits[:, -keep:].float()
+        return out.logits[:, -keep:].float() if short else out.logits[:, -keep:, : self.vocab].float()
 
     def rollback(self, length: int) -> None:
         """Forget cached positions beyond ``length`` (transformers 5: crop takes minus the count)."""
@@ -151,7 +145,7 @@ class DecodeState:
         """One draft forward over ``tokens`` [B, n]; the last position's logits over the draft's
         columns [B, C] (C = V, or a shortlist draft's K: map indices with :meth:`draft_tokens`)."""
         t0 = self.timer.mark()
-        logits = self.draft.feed_columns(tokens, keep=1)[:, -1]
+        logits = self.draft.feed(tokens, keep=1, columns=True)[:, -1]
         self.spans["draft"].append((t0, self.timer.mark()))
         return logits
 
