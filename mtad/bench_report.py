@@ -67,18 +67,25 @@ LEGEND = (
 )
 
 
+def text_table(header: Sequence[str], body: Sequence[Sequence[str]], left: int, right: int | None = None) -> str:
+    """Aligned plain-text columns under a dashed rule: the first ``left`` columns (and those from
+    ``right`` on) left-aligned, the figures between them right-aligned."""
+    widths = [max(len(h), *(len(row[i]) for row in body)) if body else len(h) for i, h in enumerate(header)]
+    last = len(header) if right is None else right
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(
+            c.ljust(w) if i < left or i >= last else c.rjust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        ).rstrip()
+
+    return "\n".join([line(header), "  ".join("-" * w for w in widths), *(line(row) for row in body)])
+
+
 def render_table(aggregates: Sequence[dict], energy_note: str | None = None) -> str:
     """The paper's Table 4 shape: one row per method and settings, pooled figures; failed rows say why."""
     header = [name for name, _ in TABLE_COLUMNS]
-    body = [[cell(r) for _, cell in TABLE_COLUMNS] for r in aggregates]
-    widths = [max(len(h), *(len(row[i]) for row in body)) if body else len(h) for i, h in enumerate(header)]
-
-    def line(cells: list[str]) -> str:
-        return "  ".join(
-            c.ljust(w) if i < LEFT else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
-        )
-
-    out = [line(header), "  ".join("-" * w for w in widths), *(line(row) for row in body)]
+    out = [text_table(header, [[cell(r) for _, cell in TABLE_COLUMNS] for r in aggregates], LEFT)]
     common = aggregates[0]["common_prompts"] if aggregates else 0
     out.append(LEGEND.format(common=common))
     for r in aggregates:

@@ -30,14 +30,16 @@ Decoder = Callable[[ModelPair, list[int], Settings], Iterator[Step]]
 @dataclass(frozen=True)
 class Method:
     """A registered decoder and the settings it depends on (the bench sweeps and reports only these);
-    ``step`` is the one-iteration function of a decoder built with :func:`stepwise`."""
+    ``step`` is the one-iteration function of a decoder built with :func:`stepwise`; ``exact``: its
+    tokens follow the target's (warped) law exactly, so ``python -m mtad.audit`` must find no shift."""
 
     run: Decoder
     uses: tuple[str, ...] = ()
     step: Callable[[DecodeState], Step] | None = None
+    exact: bool = False
 
 
-def stepwise(step_fn: Callable[[DecodeState], Step], uses: tuple[str, ...] = ()) -> Method:
+def stepwise(step_fn: Callable[[DecodeState], Step], uses: tuple[str, ...] = (), exact: bool = False) -> Method:
     """A decoder from a one-iteration function on the shared ``DecodeState`` (ar, sd, mtad ...)."""
 
     def run(pair: ModelPair, prompt_ids: list[int], settings: Settings) -> Iterator[Step]:
@@ -48,18 +50,18 @@ def stepwise(step_fn: Callable[[DecodeState], Step], uses: tuple[str, ...] = ())
             if step.eos:
                 return
 
-    return Method(run, uses, step_fn)
+    return Method(run, uses, step_fn, exact)
 
 
 DECODERS: dict[str, Method] = {
-    "ar": stepwise(ar_step),
-    "sd": stepwise(sd_step, ("gamma",)),
+    "ar": stepwise(ar_step, exact=True),
+    "sd": stepwise(sd_step, ("gamma",), exact=True),
     "mtad": stepwise(mtad_step, ("gamma", "beams", "tau", "draft_mode")),
     "mtad-tree": stepwise(mtad_tree_step, ("gamma", "beams", "tau", "draft_mode")),
     "bild": stepwise(bild_step, ("gamma", "tau1", "tau2")),
-    "spectr": stepwise(spectr_step, ("gamma", "num_drafts")),
-    "specinfer": stepwise(specinfer_step, ("gamma", "num_drafts")),
-    "hf-assisted": Method(assisted_decode, ("gamma",)),
+    "spectr": stepwise(spectr_step, ("gamma", "num_drafts"), exact=True),
+    "specinfer": stepwise(specinfer_step, ("gamma", "num_drafts"), exact=True),
+    "hf-assisted": Method(assisted_decode, ("gamma",), exact=True),
 }
 
 __all__ = ["DECODERS", "Method", "decode", "encode_prompt", "generate", "mtad_accept_length", "mtad_passes"]
