@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import logging
 import math
 import time
@@ -392,30 +394,12 @@ def run(
         raise api_error(exc) from None
 
 
-def run_page(
-    prompt: str,
-    pair_name: str,
-    tau: float,
-    beams: int,
-    gamma: int,
-    max_new_tokens: int,
-    greedy: bool,
-    temperature: float,
-    top_k: int,
-    top_p: float,
-    seed: int,
-    with_ar: bool,
-    left: str,
-    right: str,
-    num_drafts: int,
-    tau1: float,
-    tau2: float,
-    request: gr.Request,
-) -> Iterator[tuple]:
-    """The page's run: as :func:`run`, but a refusal only stays in the message area (no error badge or
-    toast that hides the message and leaves the old status behind)."""
-    values = dict(locals())
-    values.pop("request")
+@functools.wraps(run, assigned=("__annotations__",))  # Gradio reads run's parameters through __wrapped__
+def run_page(*args: object, **kwargs: object) -> Iterator[tuple]:
+    """The page's run: :func:`run`'s parameters, but a refusal only stays in the message area (no error
+    badge or toast that hides the message and leaves the old status behind)."""
+    values = dict(inspect.signature(run).bind(*args, **kwargs).arguments)
+    request = values.pop("request")
     with contextlib.suppress(Refused):
         yield from _run(_session(request), values)
 
