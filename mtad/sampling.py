@@ -68,13 +68,32 @@ def pick(logp: torch.Tensor, settings: Settings, generator: torch.Generator | No
     """One token per row: argmax when greedy, else a draw from exp(logp)."""
     if settings.is_greedy:
         return logp.argmax(dim=-1)
-    return sample(logp.exp(), generator)
+    return sample(probs(logp), generator)
+
+
+def probs(logp: torch.Tensor) -> torch.Tensor:
+    """The probabilities of normalised log-probabilities ``logp`` over the last dim.
+
+    ``softmax`` rather than ``exp``: on the CPU, ``exp`` of the -inf entries warping leaves (all but
+    the top-k of a 49k vocabulary) takes a slow path, 20x its normal time; ``softmax`` does not, and
+    for normalised rows it is ``exp`` up to rounding.
+    """
+    return torch.softmax(logp, dim=-1)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One draw per row from (unnormalised, non-negative) ``probs``."""
+    """One draw per row from (unnormalised, non-negative) ``probs``, by inverting the cumulative sum.
+
+    Exact for any weights: the draw is the first index whose cumulative weight exceeds u * total,
+    u uniform in [0, 1), so a zero weight is never drawn. ``torch.multinomial`` draws the same law
+    but costs 30x as much over a 49k vocabulary on the CPU (1 ms a row).
+    """
     flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+    cdf = flat.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    u = torch.rand(total.shape, generator=generator, device=flat.device, dtype=cdf.dtype) * total
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # u * total may round up to total
+    return torch.searchsorted(cdf, u, right=True).reshape(probs.shape[:-1])
 
 
 def make_generator(device: torch.device | str, seed: int) -> torch.Generator:

@@ -94,7 +94,9 @@ def full_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
 def cached_next_logits(lm, ids: list[int]) -> torch.Tensor:  # noqa: ANN001
     """Logits after ``ids`` from the cache (feed only what it lacks), then restore the cache."""
     before = lm.length
-    logits = lm.feed(torch.tensor([ids[before:]]), keep=1)[0, -1]
+    start = min(before, len(ids) - 1)  # a cache holding every id (the text ended) still needs one fed
+    lm.rollback(start)
+    logits = lm.feed(torch.tensor([ids[start:]]), keep=1)[0, -1]
     lm.rollback(before)
     return logits
 

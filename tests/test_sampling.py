@@ -1,9 +1,10 @@
-"""The fused top-k/top-p warp must match transformers' own warpers exactly."""
+"""Warping (the fused top-k/top-p warp must match transformers' own warpers exactly) and sampling."""
 
 import pytest
 import torch
+from scipy.stats import chisquare
 
-from mtad.sampling import log_probs, make_generator, pick, warp, warper
+from mtad.sampling import log_probs, make_generator, pick, probs, sample, warp, warper
 from mtad.settings import Settings
 
 
@@ -47,3 +48,31 @@ def test_sampling_respects_the_warp_and_the_seed() -> None:
     draws = pick(lp, s, make_generator("cpu", 7))
     assert set(draws.tolist()) <= set(logits[0].topk(3).indices.tolist())
     assert torch.equal(draws, pick(lp, s, make_generator("cpu", 7)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_sample_draws_the_weights_law_and_never_a_zero(dtype: torch.dtype) -> None:
+    """Inverse-CDF sampling: frequencies match the (unnormalised) weights, zero weights never drawn."""
+    w = torch.tensor([0.0, 2.0, 0.0, 5.0, 3.0, 0.0, 0.0, 1e-3], dtype=dtype)
+    draws = sample(w.repeat(40_000, 1), make_generator("cpu", 11))
+    assert draws.shape == (40_000,)
+    counts = torch.bincount(draws, minlength=w.numel())
+    assert counts[w == 0].sum() == 0
+    nz = w > 0
+    expected = (w[nz].double() / w.double().sum() * draws.numel()).tolist()
+    assert chisquare(counts[nz].tolist(), expected).pvalue > 1e-3
+
+
+def test_sample_keeps_batch_shape_and_seed() -> None:
+    w = torch.rand(3, 4, 50)
+    a = sample(w, make_generator("cpu", 5))
+    assert a.shape == (3, 4)
+    assert torch.equal(a, sample(w, make_generator("cpu", 5)))
+    assert not torch.equal(a, sample(w, make_generator("cpu", 6)))
+
+
+def test_probs_equals_exp_of_normalised_log_probs() -> None:
+    lp = log_probs(torch.randn(5, 300) * 3, Settings(top_k=20, top_p=0.9))
+    assert torch.isinf(lp).sum() > 0
+    assert torch.allclose(probs(lp), lp.exp(), atol=1e-7)
+    assert (probs(lp)[torch.isinf(lp)] == 0).all()

@@ -28,7 +28,7 @@ from mtad.decoding.autoregressive import ar_step
 from mtad.decoding.state import CachedLM, DecodeState, to_host
 from mtad.decoding.tree import TokenTree, keep_path, verify_tree
 from mtad.events import Step
-from mtad.sampling import sample
+from mtad.sampling import probs, sample
 
 Rule = Callable[[torch.Tensor, torch.Tensor, list[int], torch.Generator], tuple[int | None, torch.Tensor]]
 """A multi-candidate acceptance rule at one position: (p, q, candidate tokens, generator) ->
@@ -65,7 +65,7 @@ def iid_draft(st: DecodeState, g: int, m: int) -> Drafts:
     drafted, q_rows = [], []
     for _ in range(g):
         lq = st.draft_logq(tokens)  # [m, C] over the draft's columns
-        tok = st.draft_tokens(lq.argmax(dim=-1) if st.settings.is_greedy else sample(lq.exp(), st.generator))
+        tok = st.draft_tokens(lq.argmax(dim=-1) if st.settings.is_greedy else sample(probs(lq), st.generator))
         drafted.append(tok)
         q_rows.append(lq)
         tokens = tok[:, None]
@@ -199,12 +199,12 @@ def multi_step(st: DecodeState, rule: Rule, how: str | None = None) -> Step:
     drafts = iid_draft(st, g, st.settings.num_drafts)
     checked = verified(st, drafts.tokens, how)
     cands = drafts.tokens.tolist()
-    q = drafts.log_q.double().exp()
+    q = probs(drafts.log_q.double())
     p_cache: dict[tuple[int, int], torch.Tensor] = {}
 
     def p_at(w: int, i: int) -> torch.Tensor:
         if (w, i) not in p_cache:
-            p_cache[w, i] = st.judged(checked.at(w, i)).double().exp()
+            p_cache[w, i] = probs(st.judged(checked.at(w, i)).double())
         return p_cache[w, i]
 
     out = walk(cands, p_at, lambda w, i: q[w, i], rule, st.generator, st.settings.is_greedy)

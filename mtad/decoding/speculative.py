@@ -8,7 +8,7 @@ from mtad.decoding.autoregressive import ar_step
 from mtad.decoding.rules import sd_accept_length_t
 from mtad.decoding.state import DecodeState, kept_logprobs, to_host
 from mtad.events import Step
-from mtad.sampling import sample
+from mtad.sampling import probs, sample
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -28,7 +28,7 @@ def sd_step(st: DecodeState) -> Step:
     drafted, q_rows = [], []
     for _ in range(g):
         lq = st.draft_logq(tokens)[0]
-        tok = st.draft_tokens(lq.argmax() if greedy else sample(lq.exp(), st.generator))
+        tok = st.draft_tokens(lq.argmax() if greedy else sample(probs(lq), st.generator))
         drafted.append(tok)
         q_rows.append(lq)
         tokens = tok.view(1, 1)
@@ -50,7 +50,7 @@ def sd_step(st: DecodeState) -> Step:
     if greedy:
         extra = log_p.index_select(0, row)[0].argmax()
     else:
-        p, q = log_p.exp(), log_q.exp()
+        p, q = probs(log_p), probs(log_q)
         table = torch.cat([residual(p[:g], q), p[g:]], dim=0).index_select(0, row)[0]
         extra = sample(torch.where(table.sum() > 0, table, p.index_select(0, row)[0]), st.generator)
 

@@ -178,9 +178,10 @@ class DecodeState:
                 appended = appended[: i + 1]
                 break
         base = len(self.ids)
-        self.target.rollback(base + accepted_in_cache)
+        keep = base + min(accepted_in_cache, len(appended))  # never past an EOS that ended the text
+        self.target.rollback(keep)
         if self.draft is not None:
-            self.draft.rollback(base + accepted_in_cache)
+            self.draft.rollback(keep)
         self.ids.extend(appended)
         return appended
 
