@@ -7,6 +7,9 @@ with q = 0 on some tokens (the target's residual covers them). Input tokens outs
 shortlist share one learned "rare token" row. The head is tied to the first ``shortlist_size``
 embedding rows.
 
+Its decoder layers may keep int8 weights (``int8_layers``): a small draft's forward on a CPU costs
+about what it reads from memory, and int8 halves that.
+
 The class is registered with transformers' Auto classes under ``model_type = "mtad_shortlist"``
 when this module is imported, so ``AutoModelForCausalLM.from_pretrained`` loads such a draft
 without ``trust_remote_code``: the code is this library's, not the checkpoint's.
@@ -30,8 +33,9 @@ class ShortlistConfig(LlamaConfig):
 
     model_type = "mtad_shortlist"
 
-    def __init__(self, shortlist_size: int = 8192, **kwargs: Any) -> None:
+    def __init__(self, shortlist_size: int = 8192, int8_layers: bool = False, **kwargs: Any) -> None:
         self.shortlist_size = shortlist_size
+        self.int8_layers = int8_layers
         kwargs["tie_word_embeddings"] = False  # the head reads the embedding's rows itself
         super().__init__(**kwargs)
 
@@ -58,6 +62,59 @@ class ShortlistEmbedding(nn.Module):
         return F.embedding(self.row_of[input_ids], self.weight)
 
 
+class Int8Linear(nn.Module):
+    """A bias-free linear layer with int8 weights and one scale per output row (symmetric, per-channel,
+    weight-only quantisation); activations and outputs keep the model's dtype.
+
+    On the CPU it runs PyTorch's own int8-weight kernel (``aten._weight_int8pack_mm``), which reads
+    half the bytes of a bf16 matmul; elsewhere it dequantises on the fly."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("scale", torch.ones(out_features, dtype=torch.float32))
+
+    @classmethod
+    def quantize(cls, linear: nn.Linear) -> Int8Linear:
+        """The int8 version of a bias-free ``linear``: row scale max|w| / 127, weights rounded to it."""
+        if linear.bias is not None:
+            raise ValueError("Int8Linear has no bias")
+        w = linear.weight.detach().float()
+        scale = w.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127
+        layer = cls(linear.in_features, linear.out_features).to(w.device)
+        layer.qweight.copy_((w / scale[:, None]).round().clamp(-127, 127).to(torch.int8))
+        layer.scale.copy_(scale)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        scale = self.scale.to(x.dtype)
+        if x.device.type == "cpu":
+            if self.qweight.data_ptr() % 64:
+                # mapped from the checkpoint file at an odd offset: the kernel reads past rows it does not
+                # own unless the weights are 64-byte aligned (it crashed on 80 rows), so own a copy
+                self.qweight = self.qweight.clone()
+            out = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, scale)
+        else:
+            out = F.linear(flat, self.dequantize(x.dtype))
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight matrix this layer applies, ``qweight * scale`` per row, ``[out, in]``."""
+        return (self.qweight.to(torch.float32) * self.scale[:, None]).to(dtype)
+
+
+def _int8_linears(layers: nn.Module, quantize: bool) -> None:
+    """Replace every ``nn.Linear`` under ``layers`` by an ``Int8Linear``: quantised from its weights,
+    or empty (to be filled by loading a checkpoint)."""
+    for module in list(layers.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                new = Int8Linear.quantize(child) if quantize else Int8Linear(child.in_features, child.out_features)
+                setattr(module, name, new)
+
+
 class ShortlistForCausalLM(LlamaPreTrainedModel, GenerationMixin):
     """Llama layers between a shortlist embedding and a tied shortlist head; full-vocabulary logits."""
 
@@ -68,8 +125,17 @@ class ShortlistForCausalLM(LlamaPreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.model = LlamaModel(config)
         self.model.embed_tokens = ShortlistEmbedding(config.vocab_size, config.shortlist_size, config.hidden_size)
+        if config.int8_layers:
+            _int8_linears(self.model.layers, quantize=False)
         self.vocab_size = config.vocab_size
         self.post_init()
+
+    def quantize_layers(self) -> ShortlistForCausalLM:
+        """Give the decoder layers int8 weights (in place; saved and loaded as such from then on)."""
+        if not self.config.int8_layers:
+            _int8_linears(self.model.layers, quantize=True)
+            self.config.int8_layers = True
+        return self
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, ShortlistEmbedding):

@@ -14,13 +14,14 @@ import pytest
 import torch
 from conftest import make_model, make_tokenizer, save_pair
 from test_sd_distribution import ALPHA, RUNS, exact_first_two, gof_pvalue, sampled_first_two
+from torch.nn import functional as F
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from mtad.decoding import generate
 from mtad.pair import ModelPair, load
 from mtad.sampling import log_probs
 from mtad.settings import Settings
-from mtad.shortlist_draft import ShortlistForCausalLM
+from mtad.shortlist_draft import Int8Linear, ShortlistForCausalLM
 
 SD = Settings(method="sd", gamma=2, max_new_tokens=3, temperature=1.3, top_k=5, top_p=0.99)
 
@@ -149,3 +150,58 @@ def test_column_drafting_keeps_one_host_read_per_iteration(
         with host_reads(monkeypatch) as counts:
             step = DECODERS[method].step(st)
         assert counts == Counter(tolist=1), (step.index, counts)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_linear_applies_its_dequantised_matrix(dtype: torch.dtype) -> None:
+    """PyTorch's int8 kernel computes x @ (qweight * scale).T, and the rounding error of a weight is at
+    most half its row's step."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 40, bias=False)
+    layer = Int8Linear.quantize(linear)
+    err = (layer.dequantize() - linear.weight).abs()
+    assert (err <= layer.scale[:, None] / 2 + 1e-7).all()
+    x = torch.randn(2, 80, 96).to(dtype)  # 80 rows: where an unaligned weight crashed the kernel
+    tol = {torch.float32: 1e-5, torch.bfloat16: 3e-2}[dtype]
+    torch.testing.assert_close(layer(x), F.linear(x, layer.dequantize(dtype)), rtol=tol, atol=tol)
+    with pytest.raises(ValueError, match="no bias"):
+        Int8Linear.quantize(torch.nn.Linear(4, 4))
+
+
+@pytest.fixture(scope="module")
+def micro_int8_pair(tmp_path_factory: pytest.TempPathFactory) -> ModelPair:
+    """The micro shortlist draft with int8 layers, saved and loaded back (weights mapped from the file)."""
+    tok = make_tokenizer("abc", 10)
+    target = make_model(len(tok), 32, 1, seed=4, init=0.6)
+    draft = ShortlistForCausalLM.from_target(target, shortlist_of(target, 6), layers=(0,)).quantize_layers()
+    return load(*save_pair(tmp_path_factory.mktemp("int8"), tok, draft, target), device="cpu")
+
+
+def test_int8_layers_survive_saving_and_loading(micro_int8_pair: ModelPair, tmp_path: Path) -> None:
+    draft = micro_int8_pair.draft
+    assert draft.config.int8_layers
+    layers = [m for m in draft.modules() if isinstance(m, Int8Linear)]
+    assert len(layers) == 7 and not any(isinstance(m, torch.nn.Linear) for m in draft.model.layers.modules())
+    ids = torch.randint(0, 10, (3, 80))
+    with torch.inference_mode():
+        before = draft(input_ids=ids).logits
+    draft.save_pretrained(tmp_path)
+    again = ShortlistForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    assert again.model.layers[0].mlp.down_proj.qweight.dtype == torch.int8
+    with torch.inference_mode():
+        torch.testing.assert_close(again(input_ids=ids).logits, before)
+
+
+def test_an_int8_draft_keeps_caches_and_greedy_exact(micro_int8_pair: ModelPair) -> None:
+    ids = micro_int8_pair.encode("abcab")
+    for method in ("sd", "mtad"):
+        s = Settings(method=method, greedy=True, tau=1.0 if method == "mtad" else 0.1, max_new_tokens=24)
+        ar = generate(micro_int8_pair, "abcab", Settings(method="ar", greedy=True, max_new_tokens=24))
+        assert generate(micro_int8_pair, "abcab", s).new_ids == ar.new_ids
+    st_draft = micro_int8_pair.draft
+    with torch.inference_mode():
+        cache = DynamicCache(config=st_draft.config)
+        st_draft(input_ids=torch.tensor([ids[:-1]]), past_key_values=cache, use_cache=True)
+        cached = st_draft(input_ids=torch.tensor([ids[-1:]]), past_key_values=cache, use_cache=True).logits[0, -1]
+        full = st_draft(input_ids=torch.tensor([ids])).logits[0, -1]
+    torch.testing.assert_close(cached, full, rtol=1e-4, atol=1e-4)
