@@ -19,6 +19,7 @@ Both are tested to give a cache equal to a full recompute on Llama, OPT and Qwen
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -199,15 +200,16 @@ def multi_step(st: DecodeState, rule: Rule, how: str | None = None) -> Step:
     drafts = iid_draft(st, g, st.settings.num_drafts)
     checked = verified(st, drafts.tokens, how)
     cands = drafts.tokens.tolist()
-    q = probs(drafts.log_q.double())
-    p_cache: dict[tuple[int, int], torch.Tensor] = {}
 
+    @functools.cache  # the walk reads only the positions along its path, each at most twice
     def p_at(w: int, i: int) -> torch.Tensor:
-        if (w, i) not in p_cache:
-            p_cache[w, i] = probs(st.judged(checked.at(w, i)).double())
-        return p_cache[w, i]
+        return probs(st.judged(checked.at(w, i)).double())
 
-    out = walk(cands, p_at, lambda w, i: q[w, i], rule, st.generator, st.settings.is_greedy)
+    @functools.cache
+    def q_at(w: int, i: int) -> torch.Tensor:
+        return probs(drafts.log_q[w, i].double())
+
+    out = walk(cands, p_at, q_at, rule, st.generator, st.settings.is_greedy)
     n, w = out.accepted, out.chosen
     rows = torch.stack([checked.at(w, i) for i in range(g + 1)])  # [g + 1, V]
     checked.keep(w, n)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from mtad.decoding.multidraft import multi_step
@@ -14,19 +16,23 @@ def kseq_rho(p: torch.Tensor, q: torch.Tensor, k: int, iters: int = 40) -> float
 
     That inequality is what keeps K-SEQ's residual non-negative (so the output law is p); the
     acceptance 1 - (1 - beta)^k falls as rho grows, so the smallest feasible rho is the best. Both
-    sides are monotone in rho, so bisection finds it; the upper end (always feasible) is returned."""
+    sides are monotone in rho, so bisection finds it; the upper end (always feasible) is returned.
+    min(q, p / rho) is zero wherever p or q is, so the bisection runs on the (top-k sized) tokens
+    where both are positive, as Python floats: 41 sums over the vocabulary cost more than the draft."""
+    both = (p > 0) & (q > 0)
+    pairs = list(zip(q[both].tolist(), p[both].tolist(), strict=True))
+
+    def feasible(rho: float) -> bool:
+        beta = math.fsum(min(qx, px / rho) for qx, px in pairs)
+        return 1 - (1 - beta) ** k <= rho * beta + 1e-12
+
     lo, hi = 1.0, float(k)
-    if _feasible(p, q, k, lo):
+    if feasible(lo):
         return lo
     for _ in range(iters):
         mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if _feasible(p, q, k, mid) else (mid, hi)
+        lo, hi = (lo, mid) if feasible(mid) else (mid, hi)
     return hi
-
-
-def _feasible(p: torch.Tensor, q: torch.Tensor, k: int, rho: float) -> bool:
-    beta = float(torch.minimum(q, p / rho).sum())
-    return 1 - (1 - beta) ** k <= rho * beta + 1e-12
 
 
 def kseq_residual(p: torch.Tensor, q: torch.Tensor, k: int, rho: float) -> torch.Tensor:
