@@ -140,6 +140,11 @@ def verdict(method: str, greedy: bool, cal: Calibration) -> str:
     return "likelier tokens than the law" if cal.z > 0 else "less likely tokens than the law"
 
 
+def signed(z: float) -> str:
+    """A z-score to two places, or n/a (a greedy row's one-hot law has no variance)."""
+    return "n/a" if math.isnan(z) else f"{z:+.2f}"
+
+
 def render(cases: dict[str, Calibration], methods: dict[str, tuple[str, bool]]) -> str:
     """A plain-text table, one line per bench case."""
     header = ("case", "tokens", "excess (nats/token)", "z", "top-1 rate", "top-1 z", "verdict")
@@ -148,9 +153,9 @@ def render(cases: dict[str, Calibration], methods: dict[str, tuple[str, bool]]) 
             case,
             str(cal.tokens),
             f"{cal.mean_excess:+.4f}",
-            f"{cal.z:+.2f}",
+            signed(cal.z),
             f"{cal.top1_rate:.3f}",
-            f"{cal.top1_z:+.2f}",
+            signed(cal.top1_z),
             verdict(*methods[case], cal),
         )
         for case, cal in cases.items()
@@ -201,8 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     print(render(cases, methods))
     print(
         "excess: mean of log p(x) - E_law[log p] under the target's unwarped log-probabilities, law = the "
-        "warped distribution the run sampled from; z: the summed excess in standard deviations (about N(0,1) "
-        f"for an exact decoder); |z| > {Z_LIMIT:g} is a deviation (docs/metrics.md)."
+        "warped distribution the run sampled from (greedy rows: the argmax); z: the summed excess in standard "
+        f"deviations (about N(0,1) for an exact decoder); |z| > {Z_LIMIT:g} is a deviation (docs/metrics.md)."
     )
     report = {
         "bench": str(out / "bench.json"),
