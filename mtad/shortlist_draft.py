@@ -89,13 +89,12 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        scale = self.scale.to(x.dtype)
         if x.device.type == "cpu":
             if self.qweight.data_ptr() % 64:
-                # mapped from the checkpoint file at an odd offset: the kernel reads past rows it does not
-                # own unless the weights are 64-byte aligned (it crashed on 80 rows), so own a copy
+                # weights mapped from the checkpoint file at an odd offset crashed the kernel (80 rows,
+                # torch 2.13); a copy from PyTorch's allocator is 64-byte aligned
                 self.qweight = self.qweight.clone()
-            out = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, scale)
+            out = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scale.to(x.dtype))
         else:
             out = F.linear(flat, self.dequantize(x.dtype))
         return out.reshape(*x.shape[:-1], self.out_features)
