@@ -30,6 +30,7 @@ import torch
 
 from mtad.bench_report import text_table
 from mtad.cli import add_pair_args, load_pair_from_args
+from mtad.pair import ModelPair
 from mtad.sampling import log_probs
 from mtad.settings import Settings
 
@@ -115,7 +116,7 @@ def run_settings(record: dict) -> Settings:
     )
 
 
-def audit_bench(bench: dict, pair, prompt_ids: list[list[int]]) -> dict[str, Calibration]:  # noqa: ANN001
+def audit_bench(bench: dict, pair: ModelPair, prompt_ids: list[list[int]]) -> dict[str, Calibration]:
     """Per bench case: the calibration of all its runs (``prompt_ids`` by the runs' prompt index)."""
     out: dict[str, Calibration] = {}
     for record in bench["runs"]:
