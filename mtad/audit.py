@@ -31,7 +31,7 @@ import torch
 from mtad.bench_report import text_table
 from mtad.cli import add_pair_args, load_pair_from_args
 from mtad.pair import ModelPair
-from mtad.sampling import log_probs
+from mtad.sampling import log_probs, probs
 from mtad.settings import Settings
 
 Z_LIMIT = 4.0
@@ -87,7 +87,7 @@ def score_run(target: torch.nn.Module, prompt_ids: list[int], new_ids: list[int]
     if settings.is_greedy:
         law = torch.nn.functional.one_hot(top, raw.shape[-1]).to(raw.dtype)
     else:
-        law = log_probs(rows, settings).exp()
+        law = probs(log_probs(rows, settings))
     x = torch.tensor(new_ids, device=device)
     lp_x = raw.gather(1, x[:, None])[:, 0]
     mean = (law * raw).sum(-1)
@@ -146,7 +146,7 @@ def signed(z: float) -> str:
     return "n/a" if math.isnan(z) else f"{z:+.2f}"
 
 
-def render(cases: dict[str, Calibration], methods: dict[str, tuple[str, bool]]) -> str:
+def render(cases: dict[str, Calibration], verdicts: dict[str, str]) -> str:
     """A plain-text table, one line per bench case."""
     header = ("case", "tokens", "excess (nats/token)", "z", "top-1 rate", "top-1 z", "verdict")
     body = [
@@ -157,7 +157,7 @@ def render(cases: dict[str, Calibration], methods: dict[str, tuple[str, bool]]) 
             signed(cal.z),
             f"{cal.top1_rate:.3f}",
             signed(cal.top1_z),
-            verdict(*methods[case], cal),
+            verdicts[case],
         )
         for case, cal in cases.items()
     ]
@@ -201,10 +201,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     methods = {r["case"]: (r["method"], bool(r["greedy"])) for r in bench["runs"]}
+    verdicts = {case: verdict(*methods[case], cal) for case, cal in cases.items()}
     print(
         f"python -m mtad.audit {args.out}: pair {env['pair']}, {env['dtype']}, {sum(c.tokens for c in cases.values())} tokens"
     )
-    print(render(cases, methods))
+    print(render(cases, verdicts))
     print(
         "excess: mean of log p(x) - E_law[log p] under the target's unwarped log-probabilities, law = the "
         "warped distribution the run sampled from (greedy rows: the argmax); z: the summed excess in standard "
@@ -220,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                 "z": cal.z,
                 "top1_rate": cal.top1_rate,
                 "top1_z": cal.top1_z,
-                "verdict": verdict(*methods[case], cal),
+                "verdict": verdicts[case],
             }
             for case, cal in cases.items()
         },
