@@ -14,6 +14,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 import mtad.shortlist_draft  # noqa: F401  (registers shortlist drafts with transformers' Auto classes)
+from mtad.cpu_attention import use_cpu_gqa_attention
+from mtad.cpu_linear import use_stationary_linears
 from mtad.gguf_cache import materialize
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -210,6 +212,11 @@ def load(
         models = [_load(AutoModelForCausalLM, draft, name, dtype=dt, device_map=dev).eval(), target_model]
     else:
         models = [_load(AutoModelForCausalLM, src, name, dtype=dt, device_map=dev).eval() for src in (draft, target)]
+    if dev.type == "cpu":
+        for m in models:
+            use_cpu_gqa_attention(m)
+            if dt == torch.bfloat16:
+                use_stationary_linears(m)
     sizes = [logits_width(m) for m in models]
     if min(sizes) < len(tok_t):
         raise PairError(

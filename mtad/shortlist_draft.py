@@ -27,6 +27,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import slice_logits_to_keep
 from transformers.models.llama.modeling_llama import LlamaModel, LlamaPreTrainedModel
 
+from mtad.cpu_linear import stationary_linear
+
 
 class ShortlistConfig(LlamaConfig):
     """A Llama config plus the shortlist's size (the token ids themselves are a saved buffer)."""
@@ -171,7 +173,7 @@ class ShortlistForCausalLM(LlamaPreTrainedModel, GenerationMixin):
     def shortlist_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the shortlist only, ``[..., shortlist_size]`` (what training needs)."""
         k = self.config.shortlist_size
-        return F.linear(hidden, self.model.embed_tokens.weight[:k])
+        return stationary_linear(hidden, self.model.embed_tokens.weight[:k])
 
     def forward(
         self,
