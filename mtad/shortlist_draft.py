@@ -68,14 +68,19 @@ class Int8Linear(nn.Module):
     """A bias-free linear layer with int8 weights and one scale per output row (symmetric, per-channel,
     weight-only quantisation); activations and outputs keep the model's dtype.
 
-    On the CPU it runs PyTorch's own int8-weight kernel (``aten._weight_int8pack_mm``), which reads
-    half the bytes of a bf16 matmul; elsewhere it dequantises on the fly."""
+    One bf16 row on the CPU (SD's drafting) runs PyTorch's own int8-weight kernel
+    (``aten._weight_int8pack_mm``), which reads half the bytes of a bf16 product. Several rows (beams,
+    prefill), fp32 and other devices multiply by the dequantised matrix, kept after its first use: the
+    int8 kernel is slower than the dense bf16 product from two rows on (MTAD's 8 beams: 8.8 against
+    7.7 ms a SmolLM2 draft forward), and with fp32 activations at any size (4.0 against 1.4 ms for the
+    head's 8,192 rows)."""
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8))
         self.register_buffer("scale", torch.ones(out_features, dtype=torch.float32))
+        self._dense: tuple[tuple, torch.Tensor] | None = None  # (what it was made from, matrix)
 
     @classmethod
     def quantize(cls, linear: nn.Linear) -> Int8Linear:
@@ -91,19 +96,32 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if x.device.type == "cpu":
+        if x.device.type == "cpu" and x.dtype == torch.bfloat16 and flat.shape[0] == 1:
             if self.qweight.data_ptr() % 64:
                 # weights mapped from the checkpoint file at an odd offset crashed the kernel (80 rows,
                 # torch 2.13); a copy from PyTorch's allocator is 64-byte aligned
                 self.qweight = self.qweight.clone()
             out = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scale.to(x.dtype))
         else:
-            out = F.linear(flat, self.dequantize(x.dtype))
+            out = stationary_linear(flat, self.dense(x.dtype))
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        """:meth:`dequantize` in ``dtype``, made once and kept until the weights change."""
+        made_from = (dtype, self.qweight.device, _stamp(self.qweight), _stamp(self.scale))
+        if self._dense is None or self._dense[0] != made_from:
+            self._dense = (made_from, self.dequantize(dtype))
+        return self._dense[1]
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight matrix this layer applies, ``qweight * scale`` per row, ``[out, in]``."""
         return (self.qweight.to(torch.float32) * self.scale[:, None]).to(dtype)
+
+
+def _stamp(t: torch.Tensor) -> tuple[int, int]:
+    """Where a tensor lives and, unless it is an inference tensor (which keeps none), its version
+    counter: what a copy made from it depends on."""
+    return t.data_ptr(), -1 if t.is_inference() else t._version
 
 
 def _int8_linears(layers: nn.Module, quantize: bool) -> None:
@@ -129,6 +147,7 @@ class ShortlistForCausalLM(LlamaPreTrainedModel, GenerationMixin):
         if config.int8_layers:
             _int8_linears(self.model.layers, quantize=False)
         self.vocab_size = config.vocab_size
+        self._int8_head: tuple[tuple, Int8Linear] | None = None  # see shortlist_logits
         self.post_init()
 
     def quantize_layers(self) -> ShortlistForCausalLM:
@@ -171,9 +190,20 @@ class ShortlistForCausalLM(LlamaPreTrainedModel, GenerationMixin):
         return None  # the head is the embedding's first rows, not a module to tie or resize
 
     def shortlist_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits over the shortlist only, ``[..., shortlist_size]`` (what training needs)."""
-        k = self.config.shortlist_size
-        return stationary_linear(hidden, self.model.embed_tokens.weight[:k])
+        """Logits over the shortlist only, ``[..., shortlist_size]`` (what training needs).
+
+        A draft with int8 layers has an int8 head too when it runs (not when it trains): the shortlist
+        rows quantised like the layers on first use, so SD's one-row drafting reads half the head's
+        bytes. The input embedding keeps the rows as they are."""
+        weight = self.model.embed_tokens.weight[: self.config.shortlist_size]
+        if self.config.int8_layers and not hidden.requires_grad:
+            made_from = _stamp(weight)
+            if self._int8_head is None or self._int8_head[0] != made_from:
+                head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+                head.weight = nn.Parameter(weight.detach(), requires_grad=False)
+                self._int8_head = (made_from, Int8Linear.quantize(head))
+            return self._int8_head[1](hidden)
+        return stationary_linear(hidden, weight)
 
     def forward(
         self,

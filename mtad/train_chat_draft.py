@@ -431,6 +431,7 @@ def report(work: Path, out: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
     import mtad.shortlist_draft  # noqa: F401  (registers the draft's class with the Auto classes)
+    from mtad.pair import use_cpu_kernels
 
     torch.set_num_threads(1)
     shards = Shards(work)
@@ -442,7 +443,7 @@ def report(work: Path, out: Path) -> dict:
         result[kind] = {"samples": len(held), "positions": sum(len(s["idx"]) for s in held)}
         result[kind].update(evaluate(draft, held, n=len(held)))
     target, _ = load_target(torch.bfloat16)
-    result["cost"] = forward_cost(draft.to(torch.bfloat16), target)
+    result["cost"] = forward_cost(use_cpu_kernels(draft.to(torch.bfloat16)), use_cpu_kernels(target))  # as pairs run
     (out / "eval.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
     return result

@@ -161,9 +161,15 @@ def test_int8_linear_applies_its_dequantised_matrix(dtype: torch.dtype) -> None:
     layer = Int8Linear.quantize(linear)
     err = (layer.dequantize() - linear.weight).abs()
     assert (err <= layer.scale[:, None] / 2 + 1e-7).all()
-    x = torch.randn(2, 80, 96).to(dtype)  # 80 rows: where an unaligned weight crashed the kernel
     tol = {torch.float32: 1e-5, torch.bfloat16: 3e-2}[dtype]
-    torch.testing.assert_close(layer(x), F.linear(x, layer.dequantize(dtype)), rtol=tol, atol=tol)
+    for shape in [(2, 80, 96), (1, 1, 96)]:  # dense product; one bf16 row: the int8 kernel
+        x = torch.randn(shape).to(dtype)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.dequantize(dtype)), rtol=tol, atol=tol)
+    dense = layer.dense(dtype)
+    assert layer.dense(dtype) is dense  # kept, not remade every forward
+    with torch.no_grad():
+        layer.scale.mul_(2)
+    torch.testing.assert_close(layer.dense(dtype), 2 * dense, rtol=1e-2, atol=0)  # remade when weights change
     with pytest.raises(ValueError, match="no bias"):
         Int8Linear.quantize(torch.nn.Linear(4, 4))
 
@@ -190,6 +196,21 @@ def test_int8_layers_survive_saving_and_loading(micro_int8_pair: ModelPair, tmp_
     assert again.model.layers[0].mlp.down_proj.qweight.dtype == torch.int8
     with torch.inference_mode():
         torch.testing.assert_close(again(input_ids=ids).logits, before)
+
+
+def test_an_int8_draft_runs_an_int8_head_and_trains_the_rows(micro_int8_pair: ModelPair) -> None:
+    """Running, an int8 draft's head is its shortlist rows quantised like its layers; training, the rows."""
+    draft = micro_int8_pair.draft
+    ids = torch.randint(0, 10, (2, 7))
+    rows = draft.model.embed_tokens.weight[: draft.config.shortlist_size]
+    scale = rows.detach().abs().amax(dim=1) / 127
+    head = (rows.detach() / scale[:, None]).round() * scale[:, None]
+    with torch.inference_mode():
+        hidden = draft.model(input_ids=ids).last_hidden_state
+        torch.testing.assert_close(draft(input_ids=ids, shortlist_only=True).logits, F.linear(hidden, head))
+        assert not torch.allclose(F.linear(hidden, head), F.linear(hidden, rows))
+    hidden = hidden.clone().requires_grad_()
+    torch.testing.assert_close(draft.shortlist_logits(hidden), F.linear(hidden, rows))
 
 
 def test_an_int8_draft_keeps_caches_and_greedy_exact(micro_int8_pair: ModelPair) -> None:
