@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mtad.cpu_attention import NAME as CPU_SDPA
 from mtad.decoding.autoregressive import ar_step
 from mtad.decoding.state import CachedLM, DecodeState, to_host
 from mtad.decoding.tree import TokenTree, keep_path, verify_tree
@@ -172,7 +173,7 @@ def tree_verified(st: DecodeState, drafts: torch.Tensor) -> Verified:
     return Verified(at=at, keep=lambda w, n: keep_path(st.target, context, tree.paths[w][:n]))
 
 
-TREE_ATTENTION = ("eager", "sdpa")
+TREE_ATTENTION = ("eager", "sdpa", CPU_SDPA)
 """Attention kernels that honour a custom 4-D additive mask (flash-attention kernels do not)."""
 
 
