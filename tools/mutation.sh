@@ -23,7 +23,8 @@ export MTAD_CPU_THREADS=1 OMP_NUM_THREADS=1
 
 rm -rf "$work"
 mkdir -p "$work"
-tar -C "$repo" -cf - --exclude=.git --exclude=__pycache__ --exclude=mutants --exclude=.ruff_cache . | tar -C "$work" -xf -
+# the files git tracks or would track: no virtual environment, caches or training shards
+git -C "$repo" ls-files -z --cached --others --exclude-standard | tar -C "$repo" --null -T - -cf - | tar -C "$work" -xf -
 tests=$(printf '    %s\n' "$@")
 cat > "$work/setup.cfg" <<EOF
 [mutmut]
