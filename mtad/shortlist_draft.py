@@ -17,6 +17,7 @@ without ``trust_remote_code``: the code is this library's, not the checkpoint's.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -80,7 +81,7 @@ class Int8Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8))
         self.register_buffer("scale", torch.ones(out_features, dtype=torch.float32))
-        self._dense: tuple[tuple, torch.Tensor] | None = None  # (what it was made from, matrix)
+        self._kept: dict[str, tuple[tuple, torch.Tensor]] = {}  # name -> (what it was made from, tensor)
 
     @classmethod
     def quantize(cls, linear: nn.Linear) -> Int8Linear:
@@ -101,17 +102,23 @@ class Int8Linear(nn.Module):
                 # weights mapped from the checkpoint file at an odd offset crashed the kernel (80 rows,
                 # torch 2.13); a copy from PyTorch's allocator is 64-byte aligned
                 self.qweight = self.qweight.clone()
-            out = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scale.to(x.dtype))
+            scale = self._keep("scale", x.dtype, lambda: self.scale.to(x.dtype))
+            out = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, scale)
         else:
             out = stationary_linear(flat, self.dense(x.dtype))
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
         """:meth:`dequantize` in ``dtype``, made once and kept until the weights change."""
+        return self._keep("dense", dtype, lambda: self.dequantize(dtype))
+
+    def _keep(self, name: str, dtype: torch.dtype, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``make()``'s tensor, remade only when the dtype asked for or the weights have changed."""
         made_from = (dtype, self.qweight.device, _stamp(self.qweight), _stamp(self.scale))
-        if self._dense is None or self._dense[0] != made_from:
-            self._dense = (made_from, self.dequantize(dtype))
-        return self._dense[1]
+        kept = self._kept.get(name)
+        if kept is None or kept[0] != made_from:
+            kept = self._kept[name] = (made_from, make())
+        return kept[1]
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight matrix this layer applies, ``qweight * scale`` per row, ``[out, in]``."""
