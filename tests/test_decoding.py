@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from conftest import cached_next_logits, full_logits
@@ -208,6 +210,39 @@ def test_eos_inside_an_accepted_draft_cuts_the_rest(close_pair: ModelPair, metho
     last = run.steps[-1]
     assert last.eos and last.from_target[-1] is False and last.accepted >= len(last.appended_ids)
     assert len(last.target_logprobs) == len(last.from_target) == len(last.appended_ids)
+
+
+def test_sd_trace_replays_its_rule_and_its_seed(close_pair: ModelPair) -> None:
+    """An SD step's trace is what its rule did: u_i < p_i/q_i for each accepted draft and not at the first
+    rejection, then one target token; ``draft_calls`` counts the draft's forwards; and every draw
+    comes from the run's seed, not from torch's global generator."""
+    s = Settings(method="sd", gamma=4, seed=11, max_new_tokens=60)
+    forwards = []
+    hook = close_pair.draft.register_forward_hook(lambda *_: forwards.append(1))
+    try:
+        torch.manual_seed(0)
+        run = generate(close_pair, PROMPT, s)
+    finally:
+        hook.remove()
+    torch.manual_seed(12345)
+    assert generate(close_pair, PROMPT, s).new_ids == run.new_ids
+    assert sum(step.draft_calls for step in run.steps) == len(forwards) > 0
+    seen = {"accepted": 0, "rejected": 0}
+    for step in run.steps:
+        g, n = len(step.draft_ids), step.accepted
+        if step.draft_calls == 0:
+            continue  # one token left: an AR step
+        assert len(step.log_p) == len(step.log_q) == len(step.uniforms) == g == step.draft_calls > 0
+        if not step.eos:
+            assert step.from_target == [False] * n + [True] and len(step.appended_ids) == n + 1
+        lp = [b - a for a, b in zip([0.0, *step.log_p], step.log_p, strict=False)]
+        lq = [b - a for a, b in zip([0.0, *step.log_q], step.log_q, strict=False)]
+        for i in range(min(n + 1, g)):
+            margin = step.uniforms[i] - math.exp(lp[i] - lq[i])  # the rule: accept while u < p/q
+            if abs(margin) > 1e-6:
+                assert (margin < 0) == (i < n), (step.index, i, margin)
+                seen["accepted" if i < n else "rejected"] += 1
+    assert seen["accepted"] > 0 and seen["rejected"] > 0, seen
 
 
 def test_seeds_differ(tiny_pair: ModelPair) -> None:
