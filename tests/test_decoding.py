@@ -155,6 +155,42 @@ def test_mtad_trace_and_target_token(tiny_pair: ModelPair, greedy: bool) -> None
         context.extend(step.appended_ids)
 
 
+@pytest.mark.parametrize("mode", ["beam", "beam-sample"])
+def test_mtad_step_records_its_beams_and_draft_calls(tiny_pair: ModelPair, mode: str) -> None:
+    """The beams a step shows are the beam search's: W distinct drafts of g tokens, the best one by
+    joint log q is the draft verified; ``draft_calls`` adds up to the draft forwards a hook counted."""
+    s = Settings(method="mtad", tau=0.2, gamma=4, beams=4, draft_mode=mode, max_new_tokens=40, seed=2)
+    forwards = []
+    hook = tiny_pair.draft.register_forward_hook(lambda *_: forwards.append(1))
+    try:
+        run = generate(tiny_pair, PROMPT, s)
+    finally:
+        hook.remove()
+    assert sum(step.draft_calls for step in run.steps) == len(forwards) > 0
+    for step in [step for step in run.steps if step.draft_calls]:
+        g = len(step.draft_ids)
+        assert step.draft_calls == g and len(step.beams) == len(step.beam_scores) == s.beams
+        assert all(len(beam) == g for beam in step.beams) and len(set(map(tuple, step.beams))) == s.beams
+        assert step.best_beam == max(range(s.beams), key=step.beam_scores.__getitem__)
+        assert step.beams[step.best_beam] == step.draft_ids
+        assert step.beam_scores[step.best_beam] == pytest.approx(step.log_q[-1], abs=1e-5)
+
+
+@pytest.mark.parametrize("method", ["sd", "mtad"])
+def test_the_last_tokens_of_a_budget_are_drafted_or_taken_from_the_target(tiny_pair: ModelPair, method: str) -> None:
+    """One token left: an AR step (no draft); two left: a one-token draft, accepted at τ 0 with the
+    target's token after it."""
+    ar = generate(tiny_pair, PROMPT, Settings(method="ar", greedy=True, max_new_tokens=2))
+    s = Settings(method=method, greedy=True, gamma=4, beams=4, tau=0.0)
+    one = generate(tiny_pair, PROMPT, s.with_(max_new_tokens=1))
+    assert one.new_ids == ar.new_ids[:1] and [step.draft_calls for step in one.steps] == [0]
+    two = generate(tiny_pair, PROMPT, s.with_(max_new_tokens=2))
+    assert [step.draft_calls for step in two.steps][0] == 1 and len(two.steps[0].draft_ids) == 1
+    if method == "mtad":
+        assert len(two.steps) == 1 and two.steps[0].accepted == 1 and len(two.new_ids) == 2
+        assert two.new_ids[0] == two.steps[0].draft_ids[0]
+
+
 @pytest.mark.parametrize("pair_name", ["tiny_pair", "close_pair"])
 @pytest.mark.parametrize("method", ["ar", "sd", "mtad"])
 @pytest.mark.parametrize("greedy", [True, False])
