@@ -59,12 +59,24 @@ def page(browser, server):
     ctx.close()
 
 
+def type_number(page, box, value: str, enter: bool = False) -> None:
+    """Type ``value`` into a number box and blur it, again until it stays: within about a second of the
+    page opening, Gradio was seen putting freshly typed boxes back to their defaults (a box's value
+    is read back after 300 ms; a visitor cannot type that fast)."""
+    for _ in range(10):
+        box.fill(value)
+        if enter:
+            box.press("Enter")
+        box.blur()
+        page.wait_for_timeout(300)
+        if box.input_value() == value:
+            return
+    raise AssertionError(f"the box kept {box.input_value()!r}, not {value!r}")
+
+
 def set_number(page, elem_id: str, value: object) -> None:
     """Type a value into a slider's / number's box and commit it."""
-    box = page.locator(f"#{elem_id} input[type=number]")
-    box.fill(str(value))
-    box.press("Enter")
-    box.blur()
+    type_number(page, page.locator(f"#{elem_id} input[type=number]"), str(value), enter=True)
 
 
 def run_prompt(page, prompt: str, timeout: float = 120_000) -> None:
@@ -164,8 +176,7 @@ def test_out_of_range_value_is_refused_by_name_not_clamped(page, elem_id, value,
     page.get_by_text("Sampling").click()
     page.get_by_text("Other decoders (Spectr, SpecInfer, BiLD)").click()
     box = page.locator(f"#{elem_id} input[type=number]")
-    box.fill(value)
-    box.blur()
+    type_number(page, box, value)
     page.locator("#run-btn").click()
     page.wait_for_function(f"document.querySelector('#message').innerText.includes({message!r})", timeout=30_000)
     assert box.input_value() == value  # what the visitor typed is still there, not pulled into range
