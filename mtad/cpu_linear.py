@@ -11,6 +11,8 @@ other devices keep ``F.linear``, which is as fast or faster there. The values ar
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -36,17 +38,27 @@ class StationaryLinear(nn.Linear):
         return stationary_linear(x, self.weight, self.bias)
 
 
+def replace_linears(root: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> int:
+    """Put ``make(layer)`` in place of every ``nn.Linear`` under ``root`` (``make`` may hand a layer
+    back to keep it); returns how many were replaced."""
+    replaced = 0
+    for module in list(root.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear) and (new := make(child)) is not child:
+                setattr(module, name, new)
+                replaced += 1
+    return replaced
+
+
 def use_stationary_linears(model: nn.Module) -> int:
     """Swap every plain ``nn.Linear`` in ``model`` for a :class:`StationaryLinear` holding the same
     parameters (tied weights stay tied); returns how many were swapped."""
-    swapped = 0
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if type(child) is nn.Linear:
-                new = StationaryLinear(
-                    child.in_features, child.out_features, bias=child.bias is not None, device="meta"
-                )
-                new.weight, new.bias = child.weight, child.bias
-                setattr(module, name, new)
-                swapped += 1
-    return swapped
+
+    def stationary(child: nn.Linear) -> nn.Module:
+        if type(child) is not nn.Linear:
+            return child
+        new = StationaryLinear(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
+        new.weight, new.bias = child.weight, child.bias
+        return new
+
+    return replace_linears(model, stationary)

@@ -28,7 +28,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import slice_logits_to_keep
 from transformers.models.llama.modeling_llama import LlamaModel, LlamaPreTrainedModel
 
-from mtad.cpu_linear import stationary_linear
+from mtad.cpu_linear import replace_linears, stationary_linear
 
 
 class ShortlistConfig(LlamaConfig):
@@ -88,9 +88,14 @@ class Int8Linear(nn.Module):
         """The int8 version of a bias-free ``linear``: row scale max|w| / 127, weights rounded to it."""
         if linear.bias is not None:
             raise ValueError("Int8Linear has no bias")
-        w = linear.weight.detach().float()
+        return cls.from_weight(linear.weight)
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor) -> Int8Linear:
+        """The int8 layer that applies ``weight`` ``[out, in]``, quantised as :meth:`quantize` says."""
+        w = weight.detach().float()
         scale = w.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127
-        layer = cls(linear.in_features, linear.out_features).to(w.device)
+        layer = cls(w.shape[1], w.shape[0]).to(w.device)
         layer.qweight.copy_((w / scale[:, None]).round().clamp(-127, 127).to(torch.int8))
         layer.scale.copy_(scale)
         return layer
@@ -134,11 +139,9 @@ def _stamp(t: torch.Tensor) -> tuple[int, int]:
 def _int8_linears(layers: nn.Module, quantize: bool) -> None:
     """Replace every ``nn.Linear`` under ``layers`` by an ``Int8Linear``: quantised from its weights,
     or empty (to be filled by loading a checkpoint)."""
-    for module in list(layers.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
-                new = Int8Linear.quantize(child) if quantize else Int8Linear(child.in_features, child.out_features)
-                setattr(module, name, new)
+    replace_linears(
+        layers, Int8Linear.quantize if quantize else lambda child: Int8Linear(child.in_features, child.out_features)
+    )
 
 
 class ShortlistForCausalLM(LlamaPreTrainedModel, GenerationMixin):
@@ -206,9 +209,7 @@ class ShortlistForCausalLM(LlamaPreTrainedModel, GenerationMixin):
         if self.config.int8_layers and not hidden.requires_grad:
             made_from = _stamp(weight)
             if self._int8_head is None or self._int8_head[0] != made_from:
-                head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-                head.weight = nn.Parameter(weight.detach(), requires_grad=False)
-                self._int8_head = (made_from, Int8Linear.quantize(head))
+                self._int8_head = (made_from, Int8Linear.from_weight(weight))
             return self._int8_head[1](hidden)
         return stationary_linear(hidden, weight)
 
