@@ -1,7 +1,7 @@
 """Refresh the README's screenshots of the web page: ``python scripts/screenshots.py``.
 
-Serves ``app.py`` on the operator's default pair (the embedded one unless ``MTAD_PAIR`` says otherwise)
-and drives Debian's chromium with Playwright through a first visit, a run, the verification panel and
+Serves ``app.py`` on the default pair (``smollm2`` where its wheel is installed, else the embedded one;
+``MTAD_PAIR`` overrides) and drives Debian's chromium with Playwright through a first visit, a run, the verification panel and
 a second visitor waiting in the queue; the PNGs go to ``docs/screenshots/``. Needs no network: it waits
 for page elements, never for the network to go idle (web fonts never load offline).
 """

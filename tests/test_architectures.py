@@ -88,5 +88,13 @@ def test_padded_output_layers_share_the_tokenizer(tmp_path: Path) -> None:
         *save_pair(tmp_path, tok, make_model(len(tok), 32, 1, 1), make_model(len(tok) + 8, 64, 2, 2)), device="cpu"
     )
     assert pair.vocab_size == len(tok)
-    run = generate(pair, "abc", Settings(method="mtad", max_new_tokens=20))
-    assert len(run.new_ids) > 0 and max(run.new_ids) < len(tok)
+    for method in ("ar", "sd", "mtad"):
+        run = generate(pair, "abc", Settings(method=method, max_new_tokens=20, seed=1))
+        assert len(run.new_ids) > 0 and max(run.new_ids) < len(tok)
+        # the padding rows are no tokens: probabilities are normalised over the tokenizer's vocabulary
+        ids = run.prompt_ids + run.new_ids
+        with torch.inference_mode():
+            logits = pair.target(input_ids=torch.tensor([ids])).logits[0, :, : len(tok)].float()
+        want = torch.log_softmax(logits[len(run.prompt_ids) - 1 : -1], -1).gather(1, torch.tensor(run.new_ids)[:, None])
+        got = [lp for step in run.steps for lp in step.target_logprobs]
+        torch.testing.assert_close(torch.tensor(got), want[:, 0], rtol=0, atol=1e-4)

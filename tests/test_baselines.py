@@ -3,6 +3,7 @@ the single-position rules against their exact law, and the multi-row cache again
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import pytest
@@ -15,6 +16,7 @@ from mtad.decoding import DECODERS, decode, generate, specinfer, spectr
 from mtad.decoding.bild import bild_rollback
 from mtad.decoding.state import DecodeState
 from mtad.pair import load
+from mtad.sampling import log_probs
 from mtad.settings import Settings
 
 PROMPT = "abc de"
@@ -135,6 +137,54 @@ def test_bild_rolls_back_where_the_target_nll_exceeds_tau2(tiny_dirs, tau2: floa
         clean += n == len(step.draft_ids) > 0
         ctx += step.appended_ids
     assert rolled and clean, (rolled, clean)
+
+
+def test_bild_sampled_trace_replays_both_thresholds_and_its_seed(close_pair) -> None:  # noqa: ANN001
+    """Sampling: each step's log p and log q are the cumulated warped target and draft log-probabilities of
+    its drafts (recomputed by full forwards), drafting stopped exactly where the draft's top probability fell
+    below tau1 (or at gamma), the kept count is where the target's NLL first exceeded tau2, the target's
+    log-probabilities of what a step appends are the plain ones, ``draft_calls`` counts the draft's
+    forwards, and every draw comes from the run's seed, not torch's global generator."""
+    s = Settings(method="bild", gamma=4, tau1=0.35, tau2=1.5, seed=5, max_new_tokens=60)
+    forwards = []
+    hook = close_pair.draft.register_forward_hook(lambda *_: forwards.append(1))
+    try:
+        torch.manual_seed(0)
+        run = generate(close_pair, PROMPT, s)
+    finally:
+        hook.remove()
+    torch.manual_seed(12345)
+    assert generate(close_pair, PROMPT, s).new_ids == run.new_ids
+    assert sum(step.draft_calls for step in run.steps) == len(forwards) > 0
+    ctx, seen = list(run.prompt_ids), Counter()
+    for step in run.steps:
+        g = min(s.gamma, s.max_new_tokens - (len(ctx) - len(run.prompt_ids)) - 1)
+        d = step.draft_ids
+        lq = [log_probs(full_logits(close_pair.draft, ctx + d[:i]), s) for i in range(len(d) + 1)]
+        lp = [log_probs(full_logits(close_pair.target, ctx + d[:i]), s) for i in range(len(d) + 1)]
+        assert step.log_q == pytest.approx(
+            torch.tensor([lq[i][t] for i, t in enumerate(d)]).cumsum(0).tolist(), abs=1e-4
+        )
+        assert step.log_p == pytest.approx(
+            torch.tensor([lp[i][t] for i, t in enumerate(d)]).cumsum(0).tolist(), abs=1e-4
+        )
+        assert all(float(lq[i].max()) >= math.log(s.tau1) for i in range(len(d)))  # sure enough to draft
+        if g > 0 and len(d) < g:
+            assert float(lq[len(d)].max()) < math.log(s.tau1)  # the fallback
+            seen["fallback"] += 1
+        assert step.draft_calls == (0 if g <= 0 else len(d) + (len(d) < g))
+        nll = [-float(lp[i][t]) for i, t in enumerate(d)]
+        assert step.accepted == min(bild_rollback(nll, s.tau2), len(step.appended_ids))
+        assert step.appended_ids[: step.accepted] == d[: step.accepted]
+        plain = [
+            torch.log_softmax(full_logits(close_pair.target, ctx + step.appended_ids[:i]), -1)[t]
+            for i, t in enumerate(step.appended_ids)
+        ]
+        assert step.target_logprobs == pytest.approx([float(v) for v in plain], abs=1e-4)
+        seen["rollback"] += step.accepted < len(d)
+        seen["kept"] += step.accepted
+        ctx += step.appended_ids
+    assert seen["fallback"] and seen["rollback"] and seen["kept"], seen
 
 
 # --- the single-position rules against the law they must produce --------------------------------

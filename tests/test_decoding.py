@@ -8,12 +8,12 @@ import pytest
 import torch
 from conftest import cached_next_logits, full_logits
 
-from mtad.decoding import decode, generate
+from mtad.decoding import DECODERS, decode, generate
 from mtad.decoding.beams import beam_draft
 from mtad.decoding.mtad import mtad_step
 from mtad.decoding.rules import mtad_accept_length
 from mtad.decoding.speculative import sd_step
-from mtad.decoding.state import DecodeState
+from mtad.decoding.state import CachedLM, DecodeState, to_host
 from mtad.pair import ModelPair
 from mtad.settings import Settings
 
@@ -53,7 +53,8 @@ def test_kv_cache_matches_full_recompute(request: pytest.FixtureRequest, case: s
     # at least 8 steps, and on until a partial and a full acceptance were both checked
     while st.remaining > 0 and (len(steps) < 8 or not all(count_acceptances(steps, s.gamma))):
         steps.append(step_fn(st))
-        assert st.target.length <= len(st.ids) and st.draft.length <= len(st.ids)
+        # nothing is re-encoded: the target's cache holds all but the newest token, the draft's all but two
+        assert 0 <= len(st.ids) - st.target.length <= 1 and 0 <= len(st.ids) - st.draft.length <= 2
         for lm, model in ((st.target, pair.target), (st.draft, pair.draft)):
             torch.testing.assert_close(cached_next_logits(lm, st.ids), full_logits(model, st.ids), rtol=1e-4, atol=1e-4)
         if steps[-1].eos:
@@ -189,6 +190,50 @@ def test_the_last_tokens_of_a_budget_are_drafted_or_taken_from_the_target(tiny_p
     if method == "mtad":
         assert len(two.steps) == 1 and two.steps[0].accepted == 1 and len(two.new_ids) == 2
         assert two.new_ids[0] == two.steps[0].draft_ids[0]
+
+
+def test_feed_runs_the_output_layer_over_the_kept_positions_only(tiny_pair: ModelPair) -> None:
+    """A prefill asks for one position's logits: the head must not run over the whole prompt (a 49k-token
+    head over a long prompt costs more than the rest of the forward)."""
+    seen = []
+    hook = tiny_pair.target.get_output_embeddings().register_forward_pre_hook(lambda m, a: seen.append(a[0].shape[1]))
+    try:
+        lm = CachedLM(tiny_pair.target, tiny_pair.vocab_size)
+        ids = tiny_pair.encode(PROMPT)
+        logits = lm.feed(torch.tensor([ids]), keep=2)
+    finally:
+        hook.remove()
+    assert seen == [2] and len(ids) > 2
+    for back, row in ((2, 0), (1, 1)):
+        expected = full_logits(tiny_pair.target, ids[: len(ids) - back + 1])
+        torch.testing.assert_close(logits[0, row], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_rollback_to_the_cached_length_keeps_the_cache(tiny_pair: ModelPair) -> None:
+    lm = CachedLM(tiny_pair.target, tiny_pair.vocab_size)
+    lm.feed(torch.tensor([tiny_pair.encode(PROMPT)]))
+    n = lm.length
+    lm.rollback(n)
+    assert lm.length == n
+    lm.rollback(n - 3)
+    assert lm.length == n - 3
+
+
+@pytest.mark.parametrize("method", list(DECODERS))
+def test_steps_are_numbered_named_and_say_where_each_token_came_from(close_pair: ModelPair, method: str) -> None:
+    run = generate(close_pair, PROMPT, Settings(method=method, gamma=3, beams=2, tau1=0.2, max_new_tokens=24, seed=2))
+    assert [st.index for st in run.steps] == list(range(len(run.steps))) and len(run.steps) > 2
+    assert method == "ar" or sum(st.accepted for st in run.steps) >= 3
+    assert {st.method for st in run.steps} == {method}
+    for st in run.steps:  # the lanes colour a token by where it came from: the draft, then the target
+        assert st.from_target == [i >= st.accepted for i in range(len(st.appended_ids))]
+
+
+def test_to_host_keeps_each_tensor_in_its_place() -> None:
+    """One host read for several tensors, absent ones (None) anywhere in the list, 0-d ones as scalars."""
+    out = to_host(torch.tensor([3, 4]), None, torch.tensor(0.5), None, torch.tensor([[1.0, 2.0]]), torch.tensor(7))
+    assert out == [[3, 4], None, 0.5, None, [1.0, 2.0], 7]
+    assert all(type(v) is int for v in out[0]) and type(out[5]) is int
 
 
 @pytest.mark.parametrize("pair_name", ["tiny_pair", "close_pair"])

@@ -114,8 +114,13 @@ def unwarped_full_forward(pair: ModelPair, prompt_ids: list[int], new_ids: list[
         Settings(method="sd", gamma=3),
         Settings(method="mtad", gamma=3, beams=3, tau=0.2),
         Settings(method="mtad", gamma=3, beams=3, tau=0.2, draft_mode="beam-sample"),
+        Settings(method="mtad-tree", gamma=3, beams=3, tau=0.2),
+        Settings(method="bild", gamma=3, tau1=0.2, tau2=2.0),
+        Settings(method="spectr", gamma=3, num_drafts=2),
+        Settings(method="specinfer", gamma=3, num_drafts=2),
+        Settings(method="hf-assisted", gamma=3),
     ],
-    ids=["ar", "sd", "mtad-beam", "mtad-beam-sample"],
+    ids=["ar", "sd", "mtad-beam", "mtad-beam-sample", "mtad-tree", "bild", "spectr", "specinfer", "hf-assisted"],
 )
 def test_target_logprobs_are_the_unwarped_full_forward(close_pair: ModelPair, settings: Settings) -> None:
     """Sampling at T != 1 with top-k: perplexity still reads the plain target, one entry per new token."""

@@ -7,7 +7,10 @@ import time
 
 import pytest
 
-from mtad.decoding import decode
+from mtad.decoding import DECODERS, decode
+from mtad.decoding.autoregressive import ar_step
+from mtad.decoding.speculative import sd_step
+from mtad.decoding.state import DecodeState
 from mtad.settings import Settings
 
 
@@ -35,7 +38,7 @@ class ForwardStopwatch:
             h.remove()
 
 
-@pytest.mark.parametrize("method", ["ar", "sd", "mtad", "hf-assisted"])
+@pytest.mark.parametrize("method", list(DECODERS))
 def test_phase_split_adds_up_to_the_iteration_wall_time(tiny_pair, method):
     settings = Settings(method=method, gamma=3, beams=2, max_new_tokens=24, seed=1)
     draft, target = ForwardStopwatch(tiny_pair.draft), ForwardStopwatch(tiny_pair.target)
@@ -73,3 +76,16 @@ def test_phase_split_adds_up_to_the_iteration_wall_time(tiny_pair, method):
         forwards = sum(x[hooks][0] for x in steps)
         calls = sum(x[hooks][1] for x in steps)
         assert forwards <= inside <= 1.3 * forwards + 0.001 * calls
+
+
+@pytest.mark.parametrize("step_fn", [ar_step, sd_step])
+def test_set_up_is_billed_to_the_first_iteration_only(tiny_pair, step_fn):
+    """A run's seconds cover all of its work: what happens between ``DecodeState.start`` and the first
+    iteration (caches, generator) counts in the first step; later steps hold only their own work."""
+    st = DecodeState.start(tiny_pair, tiny_pair.encode("abc de fgh"), Settings(method="sd", gamma=2, seed=1))
+    time.sleep(0.5)
+    first = step_fn(st)
+    time.sleep(0.5)
+    second = step_fn(st)
+    assert first.seconds >= 0.5
+    assert second.seconds < 0.5  # a tiny model's step takes milliseconds

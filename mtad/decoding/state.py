@@ -22,7 +22,6 @@ class CachedLM:
         self.model = model
         self.vocab = vocab
         self.cache = DynamicCache(config=model.config)
-        self.calls = 0
         self._keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         # a shortlist draft computes logits for some tokens only (the rest are -inf): see feed
         self.columns: torch.Tensor | None = getattr(model, "columns", None)
@@ -43,7 +42,6 @@ class CachedLM:
         if short:
             kwargs["shortlist_only"] = True
         out = self.model(input_ids=tokens, past_key_values=self.cache, use_cache=True, **kwargs)
-        self.calls += 1
         return out.logits[:, -keep:].float() if short else out.logits[:, -keep:, : self.vocab].float()
 
     def rollback(self, length: int) -> None:

@@ -88,7 +88,6 @@ def verify_tree(st: DecodeState, tree: TokenTree) -> torch.Tensor:
             past_key_values=lm.cache,
             use_cache=True,
         )
-    lm.calls += 1
     logits = out.logits[0, :, : lm.vocab].float()
     st.spans["target"].append((t0, st.timer.mark()))
     return logits
