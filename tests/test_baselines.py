@@ -34,6 +34,41 @@ def test_greedy_multi_draft_equals_greedy_ar(tiny_pair, method: str) -> None:  #
     assert any(s.accepted > 0 for s in got.steps) and any(s.accepted < len(s.draft_ids) for s in got.steps)
 
 
+@pytest.mark.parametrize("method", ["spectr", "specinfer"])
+def test_greedy_multi_draft_drafts_the_argmax_and_keeps_what_greedy_sd_keeps(close_pair, method: str) -> None:  # noqa: ANN001
+    """Greedy: every candidate is the draft's argmax sequence, so each iteration keeps what greedy SD keeps
+    (the output alone cannot tell: greedy verification writes the target's argmax whatever was drafted)."""
+    s = Settings(method=method, greedy=True, gamma=3, num_drafts=3, max_new_tokens=40)
+    got = generate(close_pair, PROMPT, s)
+    sd = generate(close_pair, PROMPT, s.with_(method="sd"))
+    assert got.new_ids == sd.new_ids == new_ids(close_pair, s.with_(method="ar"))
+    assert [st.accepted for st in got.steps] == [st.accepted for st in sd.steps]
+    assert all(c == st.draft_ids for st in got.steps if st.candidates for c in st.candidates)
+    assert any(st.accepted == len(st.draft_ids) > 0 for st in got.steps), "no draft was kept whole: no bonus token"
+
+
+@pytest.mark.parametrize("method", ["spectr", "specinfer"])
+def test_multi_draft_trace_is_the_followed_candidates(close_pair, method: str) -> None:  # noqa: ANN001
+    """Sampling: log p and log q are the cumulated warped target and draft log-probabilities of the followed
+    candidate (recomputed by full forwards), which carries the kept prefix; ``candidate_kept`` says how far
+    each candidate agrees with it."""
+    s = Settings(method=method, gamma=3, num_drafts=3, max_new_tokens=48, seed=3)
+    run = generate(close_pair, PROMPT, s)
+    ctx, other = list(run.prompt_ids), 0
+    for step in run.steps:
+        if step.candidates:
+            d = step.draft_ids
+            assert d == step.candidates[step.chosen] and step.appended_ids[: step.accepted] == d[: step.accepted]
+            for model, trace in ((close_pair.target, step.log_p), (close_pair.draft, step.log_q)):
+                lp = [float(log_probs(full_logits(model, ctx + d[:i]), s)[t]) for i, t in enumerate(d)]
+                assert trace == pytest.approx(torch.tensor(lp).cumsum(0).tolist(), abs=1e-4)
+            for c, k in zip(step.candidates, step.candidate_kept, strict=True):
+                assert c[:k] == d[:k] and (k == step.accepted or c[k] != d[k])
+            other += any(0 < k < step.accepted for k in step.candidate_kept) or step.chosen > 0
+        ctx += step.appended_ids
+    assert other, "every candidate agreed with the kept prefix wholly or not at all: candidate_kept untested"
+
+
 @pytest.mark.parametrize("mode", ["beam", "beam-sample"])
 @pytest.mark.parametrize("greedy", [True, False])
 def test_mtad_tree_with_one_beam_is_mtad(tiny_pair, mode: str, greedy: bool) -> None:  # noqa: ANN001
@@ -62,7 +97,7 @@ def test_mtad_tree_keeps_the_longest_prefix_over_all_beams(tiny_pair) -> None:  
             .tolist()
         )
 
-    chose_other = 0
+    chose_other = ties = 0
     for seed in range(3):
         s = Settings(method="mtad-tree", beams=4, tau=0.5, seed=seed, max_new_tokens=24)
         ids = tiny_pair.encode(PROMPT)
@@ -78,10 +113,23 @@ def test_mtad_tree_keeps_the_longest_prefix_over_all_beams(tiny_pair) -> None:  
                 for b in step.candidates
             ]
             assert step.accepted == max(etas) == etas[step.chosen]
+            # ties go to the draft's best beam, then to the lowest index
+            tied = [w for w, e in enumerate(etas) if e == max(etas)]
+            assert step.chosen == (step.best_beam if step.best_beam in tied else tied[0])
             assert step.candidate_kept[step.chosen] == step.accepted
+            # the trace is the chosen beam's: its tokens and joint log p and log q; every beam and its score
+            chosen = step.candidates[step.chosen]
+            assert step.draft_ids == chosen and step.beams == step.candidates
+            assert step.log_p == pytest.approx(joints(tiny_pair.target, ctx, chosen, s), abs=1e-4)
+            assert step.log_q == pytest.approx(joints(tiny_pair.draft, ctx, chosen, s), abs=1e-4)
+            assert (
+                len(step.beam_scores) == len(step.beams) and max(step.beam_scores) == step.beam_scores[step.best_beam]
+            )
+            ties += len(tied) > 1
             chose_other += step.chosen != step.best_beam
             ctx += step.appended_ids
     assert chose_other, "no iteration kept a beam other than the draft's best: the all-beams path never ran"
+    assert ties, "no two beams passed equally far: the tie-break was not exercised"
 
 
 def test_bild_tau2_zero_greedy_is_greedy_ar(tiny_pair) -> None:  # noqa: ANN001
@@ -222,6 +270,26 @@ def test_kseq_rho_keeps_the_residual_non_negative() -> None:
         assert rho == 1.0 if k == 1 else rho > 1.0
 
 
+def test_kseq_rho_is_the_smallest_that_keeps_the_residual_non_negative() -> None:
+    """Any larger rho keeps the law too but accepts less: K-SEQ must take the smallest feasible one."""
+    for k in (2, 3, 4, 6):
+        rho = spectr.kseq_rho(P, Q, k)
+
+        def slack(r: float, k: int = k) -> float:  # rho * beta - (1 - (1 - beta)^k): feasible when >= 0
+            beta = float(torch.minimum(Q, P / r).sum())
+            return r * beta - (1 - (1 - beta) ** k)
+
+        assert 1.0 < rho < k and slack(rho) >= -1e-12
+        assert slack(rho - 1e-6) < 0, (k, rho)
+
+
+def test_mss_residual_of_equal_laws_is_the_law_not_nan() -> None:
+    """p = q leaves no residual mass (0 / 0): the residual falls back to p, never to NaN."""
+    torch.testing.assert_close(specinfer.mss_residual(P, P), P, rtol=0, atol=0)
+    r = specinfer.mss_residual(P, Q)
+    torch.testing.assert_close(r, (P - Q).clamp_min(0) / (P - Q).clamp_min(0).sum())
+
+
 def test_wrong_rules_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """Negative controls: K-SEQ without its rho correction, MSS without its residual update."""
     monkeypatch.setattr(spectr, "kseq_rho", lambda p, q, k: 1.0)
@@ -238,13 +306,17 @@ def test_cache_matches_recompute_after_multi_row_verification(tiny_pair, method:
     s = Settings(method=method, gamma=4, beams=4, num_drafts=3, tau=0.3, max_new_tokens=40, seed=2)
     st = DecodeState.start(tiny_pair, tiny_pair.encode(PROMPT), s)
     step_fn = DECODERS[method].step
-    for _ in range(4):
+    other = 0
+    while st.remaining > 1:
         step = step_fn(st)
         assert step.candidates and len(step.candidates) == (4 if method == "mtad-tree" else 3)
         for lm, model in ((st.target, tiny_pair.target), (st.draft, tiny_pair.draft)):
             torch.testing.assert_close(cached_next_logits(lm, st.ids), full_logits(model, st.ids), rtol=1e-4, atol=1e-4)
+        other += method == "mtad-tree" and step.chosen != step.best_beam
         if step.eos:  # the text has ended: a decoder takes no further step
             break
+    if method == "mtad-tree":  # the draft's cache holds the best beam: check it after keeping another one
+        assert other, "every step kept the draft's best beam: the draft cache never followed another one"
 
 
 @pytest.mark.parametrize("method", ["spectr", "specinfer", "mtad-tree", "bild"])

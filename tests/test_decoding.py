@@ -177,12 +177,12 @@ def test_mtad_step_records_its_beams_and_draft_calls(tiny_pair: ModelPair, mode:
         assert step.beam_scores[step.best_beam] == pytest.approx(step.log_q[-1], abs=1e-5)
 
 
-@pytest.mark.parametrize("method", ["sd", "mtad"])
+@pytest.mark.parametrize("method", ["sd", "mtad", "mtad-tree", "bild", "spectr", "specinfer"])
 def test_the_last_tokens_of_a_budget_are_drafted_or_taken_from_the_target(tiny_pair: ModelPair, method: str) -> None:
     """One token left: an AR step (no draft); two left: a one-token draft, accepted at τ 0 with the
     target's token after it."""
     ar = generate(tiny_pair, PROMPT, Settings(method="ar", greedy=True, max_new_tokens=2))
-    s = Settings(method=method, greedy=True, gamma=4, beams=4, tau=0.0)
+    s = Settings(method=method, greedy=True, gamma=4, beams=4, tau=0.0, tau1=0.0)
     one = generate(tiny_pair, PROMPT, s.with_(max_new_tokens=1))
     assert one.new_ids == ar.new_ids[:1] and [step.draft_calls for step in one.steps] == [0]
     two = generate(tiny_pair, PROMPT, s.with_(max_new_tokens=2))
@@ -220,8 +220,12 @@ def test_rollback_to_the_cached_length_keeps_the_cache(tiny_pair: ModelPair) -> 
 
 
 @pytest.mark.parametrize("method", list(DECODERS))
-def test_steps_are_numbered_named_and_say_where_each_token_came_from(close_pair: ModelPair, method: str) -> None:
-    run = generate(close_pair, PROMPT, Settings(method=method, gamma=3, beams=2, tau1=0.2, max_new_tokens=24, seed=2))
+def test_steps_are_seeded_numbered_named_and_say_where_each_token_came_from(close_pair: ModelPair, method: str) -> None:
+    s = Settings(method=method, gamma=3, beams=2, tau1=0.2, max_new_tokens=24, seed=2)
+    torch.manual_seed(0)
+    run = generate(close_pair, PROMPT, s)
+    torch.manual_seed(1)  # every draw comes from the run's seed, none from torch's global generator
+    assert generate(close_pair, PROMPT, s).new_ids == run.new_ids
     assert [st.index for st in run.steps] == list(range(len(run.steps))) and len(run.steps) > 2
     assert method == "ar" or sum(st.accepted for st in run.steps) >= 3
     assert {st.method for st in run.steps} == {method}
