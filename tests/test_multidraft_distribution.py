@@ -20,14 +20,18 @@ def setup(micro_pair: ModelPair) -> tuple[ModelPair, list[int], dict]:
     return micro_pair, ids, exact_first_two(micro_pair, ids, BASE)
 
 
+@pytest.mark.parametrize("gamma", [2, 1])
 @pytest.mark.parametrize("method", ["spectr", "specinfer"])
-def test_matches_target_distribution(setup: tuple, method: str) -> None:
+def test_matches_target_distribution(setup: tuple, method: str, gamma: int) -> None:
+    """gamma 2: the first two tokens are drafts or residual draws; gamma 1: the second is also the bonus
+    token drawn from the target after a fully accepted draft."""
     pair, ids, law = setup
-    s = BASE.with_(method=method)
+    s = BASE.with_(method=method, gamma=gamma)
     first = [next(decode(pair, ids, s.with_(seed=k))) for k in range(100)]
     # the rare paths must run: a later candidate followed, and a full rejection (residual draw)
     assert sum(st.chosen > 0 for st in first) >= 5
     assert sum(st.accepted == 0 for st in first) >= 5
+    assert gamma > 1 or sum(st.accepted == 1 for st in first) >= 5  # ... and the bonus token
     assert gof_pvalue(sampled_first_two(pair, ids, s), law) > ALPHA
 
 
