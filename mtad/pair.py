@@ -13,10 +13,10 @@ from urllib.parse import urlparse
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-import mtad.shortlist_draft  # noqa: F401  (registers shortlist drafts with transformers' Auto classes)
 from mtad.cpu_attention import use_cpu_gqa_attention
 from mtad.cpu_linear import use_stationary_linears
 from mtad.gguf_cache import materialize
+from mtad.shortlist_draft import Int8Linear  # importing it registers shortlist drafts with the Auto classes
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 DEFAULT_PRESETS = ASSETS / "pairs.toml"
@@ -87,8 +87,15 @@ class ModelPair:
         return min(_max_positions(m) for m in models)
 
     def parameters(self) -> tuple[int, int]:
-        """(draft, target) parameter counts."""
-        return tuple(sum(p.numel() for p in m.parameters()) for m in (self.draft, self.target))
+        """(draft, target) parameter counts, int8 weights included (see :func:`weight_count`)."""
+        return weight_count(self.draft), weight_count(self.target)
+
+
+def weight_count(model: torch.nn.Module) -> int:
+    """A model's parameters, counting the int8 weight matrices of a quantised draft too: those are
+    buffers (:class:`mtad.shortlist_draft.Int8Linear`), which ``parameters()`` leaves out."""
+    quantised = sum(m.qweight.numel() for m in model.modules() if isinstance(m, Int8Linear))
+    return sum(p.numel() for p in model.parameters()) + quantised
 
 
 def resolve_device(device: str | None = "auto") -> torch.device:

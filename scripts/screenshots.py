@@ -29,9 +29,17 @@ def free_port() -> int:
 
 
 def set_number(page: Page, elem_id: str, value: object) -> None:
+    """Type a number and commit it, again until it stays (in the first second after the page opens,
+    Gradio was seen putting a freshly typed box back to its default)."""
     box = page.locator(f"#{elem_id} input[type=number]")
-    box.fill(str(value))
-    box.blur()
+    for _ in range(10):
+        box.fill(str(value))
+        box.press("Enter")
+        box.blur()
+        page.wait_for_timeout(300)
+        if box.input_value() == str(value):
+            return
+    raise RuntimeError(f"#{elem_id} kept {box.input_value()!r}, not {value!r}")
 
 
 def show(page: Page, selector: str, path: Path) -> None:

@@ -186,6 +186,9 @@ def micro_int8_pair(tmp_path_factory: pytest.TempPathFactory) -> ModelPair:
 def test_int8_layers_survive_saving_and_loading(micro_int8_pair: ModelPair, tmp_path: Path) -> None:
     draft = micro_int8_pair.draft
     assert draft.config.int8_layers
+    # the int8 matrices are buffers, but still the model's weights: the page and the bench count them
+    unquantised = ShortlistForCausalLM.from_target(micro_int8_pair.target, draft.model.embed_tokens.tokens, layers=(0,))
+    assert micro_int8_pair.parameters()[0] == sum(p.numel() for p in unquantised.parameters())
     layers = [m for m in draft.modules() if isinstance(m, Int8Linear)]
     assert len(layers) == 7 and not any(isinstance(m, torch.nn.Linear) for m in draft.model.layers.modules())
     ids = torch.randint(0, 10, (3, 80))

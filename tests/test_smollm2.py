@@ -77,6 +77,8 @@ def test_pair_loads_offline_from_the_wheel(offline_load: tuple[ModelPair, list[o
     assert pair.name == "smollm2" and pair.vocab_size == 49152
     draft_params, target_params = pair.parameters()
     assert 130e6 < target_params < 140e6 and draft_params < target_params / 5
+    card = (Path(presets()["smollm2"].draft) / "MODEL_CARD.md").read_text()
+    assert f"Parameters: **{draft_params:,}**" in card  # int8 layers included: they are buffers, not parameters
 
 
 def test_draft_and_target_tokenizers_match(pair: ModelPair) -> None:
