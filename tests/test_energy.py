@@ -50,6 +50,7 @@ def test_trapezoid_known_series_by_hand():
 def test_trapezoid_needs_two_samples_and_skips_non_increasing_times():
     assert trapezoid_joules([]) is None
     assert trapezoid_joules([(0.0, 50.0)]) is None
+    assert trapezoid_joules([(0.0, 10.0), (0.5, 30.0)]) == 10.0  # two are enough
     assert trapezoid_joules([(0.0, 10.0), (1.0, 10.0), (1.0, 999.0), (2.0, 10.0)]) == pytest.approx(10.0 + 504.5)
 
 
@@ -382,6 +383,7 @@ def test_counter_that_steps_backwards_gives_no_figure(fake_nvml):
     time.sleep(0.25)
     r = m.stop()
     assert r.joules is None and "went backwards" in r.note
+    assert r.source == "nvml-counter" and r.seconds >= 0.25  # a window without a figure still says what it was
 
 
 def test_counter_path_short_window_gives_a_note_not_a_figure(fake_nvml):
@@ -389,7 +391,7 @@ def test_counter_path_short_window_gives_a_note_not_a_figure(fake_nvml):
     m = EnergyMeter("cuda")
     m.start()
     r = m.stop()
-    assert r.joules is None and r.source == "nvml-counter"
+    assert r.joules is None and r.source == "nvml-counter" and 0 <= r.seconds < 0.02
     assert "shorter than the counter's refresh" in r.note
 
 
@@ -447,7 +449,7 @@ def test_power_fallback_short_window(fake_nvml):
     m = EnergyMeter("cuda")
     m.start()
     r = m.stop()
-    assert r.joules is None and "refresh" in r.note
+    assert r.joules is None and "refresh" in r.note and r.source == "nvml-power" and 0 <= r.seconds < 0.02
 
 
 def test_neither_counter_nor_power_is_unavailable(fake_nvml):
@@ -519,7 +521,29 @@ def test_rapl_meter_sums_packages_and_undoes_a_wrap(tmp_path):
     set_uj(root, "intel-rapl:2", 5 * 10**9)
     r = m.stop()
     assert r.source == "rapl" and r.note is None
-    assert r.joules == pytest.approx((1_000 + 4_000 + 2_000_000) / 1e6)
+    assert r.joules == pytest.approx((1_000 + 4_000 + 2_000_000) / 1e6, rel=1e-12)
+
+
+def test_rapl_counter_of_an_idle_package_reads_no_energy_not_a_wrap(tmp_path):
+    """A package whose counter did not move in the window (idle, or a window inside one refresh)
+    added nothing; reading it as a full wrap would add ``max_energy_range_uj``."""
+    root = powercap_tree(tmp_path, {"intel-rapl:0": ("package-0", 777), "intel-rapl:1": ("package-1", 1_000)})
+    m = EnergyMeter("cpu", powercap_root=root)
+    m.start()
+    set_uj(root, "intel-rapl:1", 251_000)
+    assert m.stop().joules == pytest.approx(0.25, rel=1e-12)
+
+
+def test_nvml_counter_that_did_not_move_reads_zero_joules():
+    counter = energy.NvmlCounter(nvml=None, handle=None)
+    assert counter.joules((5_000,), (5_000,)) == 0.0
+    assert counter.joules((5_000,), (7_500,)) == 2.5
+    assert counter.joules((5_000,), (4_999,)) is None
+
+
+def test_energy_reading_to_dict_names_its_fields():
+    r = EnergyReading(None, 1.5, "rapl", "why not")
+    assert r.to_dict() == {"joules": None, "seconds": 1.5, "source": "rapl", "note": "why not"}
 
 
 def test_rapl_from_the_environment(tmp_path, monkeypatch):
