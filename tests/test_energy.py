@@ -313,6 +313,22 @@ def test_without_a_bus_id_cuda_visible_devices_maps_the_index(two_gpus, monkeypa
     assert energy.open_device("cuda:1")[1] is nvml.gpus[1]  # no list: torch's index is NVML's
 
 
+def test_the_bus_id_carries_the_pci_domain_and_device(monkeypatch):
+    """Two GPUs on bus 0x86 of different PCI domains (multi-socket servers): the domain and the device
+    number pick the right one."""
+    near, far = (
+        make_gpu(bus_id="00000000:86:00.0", uuid="GPU-near"),
+        make_gpu(bus_id="00000001:86:02.0", uuid="GPU-far"),
+    )
+    nvml = FakeNVML([near, far])
+    props = {0: types.SimpleNamespace(name="NVIDIA H100", pci_bus_id=0x86, pci_device_id=2, pci_domain_id=1)}
+    monkeypatch.setattr(energy, "_init_nvml", lambda: nvml)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props[i])
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert energy.open_device("cuda:0")[1:] == (far, None)
+
+
 def test_a_bus_id_nvml_does_not_know_falls_back_to_the_list(two_gpus, monkeypatch):
     nvml, props = two_gpus
     props[0].pci_bus_id = 0x99
