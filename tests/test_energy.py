@@ -468,6 +468,20 @@ def test_power_fallback_short_window(fake_nvml):
     assert r.joules is None and "refresh" in r.note and r.source == "nvml-power" and 0 <= r.seconds < 0.02
 
 
+def test_power_fallback_without_samples_says_so(fake_nvml):
+    """The GPU answered the probe, then stopped reporting power: a window with no samples has no figure
+    and says why (never 0 J)."""
+    gpu = fake_nvml(watts=50.0, counter=False)
+    m = EnergyMeter("cuda")
+    assert m.source == "nvml-power"
+    gpu.power = False
+    m.start()
+    time.sleep(0.25)
+    r = m.stop()
+    assert r.joules is None and r.note == "too few power samples to integrate"
+    assert r.source == "nvml-power" and r.seconds >= 0.25
+
+
 def test_neither_counter_nor_power_is_unavailable(fake_nvml):
     fake_nvml(counter=False, power=False)
     m = EnergyMeter("cuda")
