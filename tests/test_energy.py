@@ -597,6 +597,7 @@ def test_rapl_sampler_draws_power_from_counter_differences(tmp_path):
     s.stop()
     samples = s.samples()
     assert len(samples) >= 5 and all(w > 0 for _, w in samples)
+    assert all(0 < t < 1.0 for t, _ in samples)  # seconds since the sampler started
     assert _time_weighted_mean(samples, after=0.1) == pytest.approx(20.0, rel=0.3)
 
 
@@ -620,11 +621,26 @@ def test_no_readable_rapl_is_na_with_the_reason(tmp_path, zones):
 
 
 def test_an_unreadable_counter_is_skipped(tmp_path):
-    root = powercap_tree(tmp_path, {"intel-rapl:0": ("package-0", 1), "intel-rapl:1": ("package-1", 1)})
-    (root / "intel-rapl:1" / "energy_uj").unlink()  # as if not readable (root-only since 2020 kernels)
-    (root / "intel-rapl:1" / "energy_uj").mkdir()
+    zones = {f"intel-rapl:{i}": (f"package-{i}", 1) for i in range(3)}
+    root = powercap_tree(tmp_path, zones)
+    (root / "intel-rapl:0" / "energy_uj").unlink()  # as if not readable (root-only since 2020 kernels)
+    (root / "intel-rapl:0" / "energy_uj").mkdir()
+    (root / "intel-rapl:2" / "name").unlink()  # an old kernel without zone names: a package
     m = EnergyMeter("cpu", powercap_root=root)
-    assert m.available and len(m._counter.zones) == 1
+    assert m.available and [z.energy_file.parent.name for z in m._counter.zones] == ["intel-rapl:1", "intel-rapl:2"]
+
+
+def test_a_rapl_window_carries_no_note_about_nvml_refreshes(tmp_path):
+    """RAPL refreshes about every millisecond: a 0.3 s window is no coarse window (NVML's would be)."""
+    root = powercap_tree(tmp_path, {"intel-rapl:0": ("package-0", 0)})
+    m = EnergyMeter("cpu", powercap_root=root)
+    m.start()
+    time.sleep(0.3)
+    set_uj(root, "intel-rapl:0", 3_000_000)
+    r = m.stop()
+    assert r.joules == pytest.approx(3.0) and r.note is None
+    with pytest.raises(RuntimeError, match="before start"):
+        m.stop()  # a window is stopped once
 
 
 # --- the real NVML path (GPU only) -----------------------------------------------------------------------------------
