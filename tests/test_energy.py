@@ -134,6 +134,7 @@ def test_cpu_power_sampler_is_unavailable_and_empty():
 def test_power_sampler_rejects_a_bad_rate():
     with pytest.raises(ValueError, match="Hz"):
         PowerSampler("cpu", hz=0)
+    assert PowerSampler("cpu", hz=0.5).hz == 0.5  # slow, but a rate
 
 
 # --- the NVML logic against a realistic fake NVML --------------------------------------------------------------------
