@@ -595,8 +595,11 @@ def test_rapl_sampler_draws_power_from_counter_differences(tmp_path):
         time.sleep(0.05)
         uj = (uj + 1_000_000) % MAX_RANGE
         set_uj(root, "intel-rapl:0", uj)
-    s.stop()
+    set_uj(root, "intel-rapl:0", uj + 1_000_000)
+    last_change = time.perf_counter() - t0
+    s.stop()  # its final read catches the change, if the sampling thread did not
     samples = s.samples()
+    assert samples[-1][0] >= last_change  # the series runs to the stop, not to the last poll before it
     assert len(samples) >= 5 and all(w > 0 for _, w in samples)
     assert all(0 < t < 1.0 for t, _ in samples)  # seconds since the sampler started
     assert _time_weighted_mean(samples, after=0.1) == pytest.approx(20.0, rel=0.3)
