@@ -26,6 +26,7 @@ def test_shared_prefixes_are_stored_once() -> None:
     for seq, path in zip(SEQS, tree.paths, strict=True):
         assert [tree.tokens[i] for i in path] == seq
         assert [tree.depths[i] for i in path] == [0, 1, 2]
+        assert [tree.parents[i] for i in path] == [-1, *path[:-1]]  # -1: a child of the context
 
 
 def test_each_node_sees_exactly_its_ancestors() -> None:
@@ -39,6 +40,14 @@ def test_each_node_sees_exactly_its_ancestors() -> None:
         for j in range(len(tree)):
             expected = prefix_of[i][: len(prefix_of[j])] == prefix_of[j]
             assert bool(seen[i, j]) == expected, (i, j)
+
+
+def test_tree_mask_is_in_the_models_dtype() -> None:
+    """The additive mask joins the attention scores: it must come in the model's dtype (bf16 on CPUs)."""
+    tree = TokenTree.from_sequences([[7, 8], [7, 9]])
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        mask = tree_mask(tree, past=3, pending=2, dtype=dtype, device=torch.device("cpu"))
+        assert mask.dtype == dtype and mask.min() == torch.finfo(dtype).min and mask.max() == 0
 
 
 def test_tree_mask_layout() -> None:
