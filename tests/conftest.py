@@ -11,7 +11,10 @@ import torch
 from tokenizers import Tokenizer, decoders, models, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from mtad.decoding import generate
+from mtad.events import Run
 from mtad.pair import ModelPair, load
+from mtad.settings import Settings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("MTAD_POWERCAP_ROOT", "/nonexistent/powercap")  # no host RAPL in figures: tests fake it
@@ -99,6 +102,21 @@ def cached_next_logits(lm, ids: list[int]) -> torch.Tensor:  # noqa: ANN001
     logits = lm.feed(torch.tensor([ids[start:]]), keep=1)[0, -1]
     lm.rollback(before)
     return logits
+
+
+def seeded_run(pair: ModelPair, prompt: str, settings: Settings) -> tuple[Run, int]:
+    """Generate while counting the draft's forwards; then check that the same seed gives the same
+    tokens after torch's global generator was moved (every draw must come from the run's seed)."""
+    forwards = []
+    hook = pair.draft.register_forward_hook(lambda *_: forwards.append(1))
+    try:
+        torch.manual_seed(0)
+        run = generate(pair, prompt, settings)
+    finally:
+        hook.remove()
+    torch.manual_seed(12345)
+    assert generate(pair, prompt, settings).new_ids == run.new_ids, "the run drew from torch's global generator"
+    return run, len(forwards)
 
 
 @pytest.fixture(scope="session")

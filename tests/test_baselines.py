@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import cached_next_logits, full_logits
+from conftest import cached_next_logits, full_logits, seeded_run
 from scipy.stats import chisquare
 from test_architectures import arch_pair  # noqa: F401  (the OPT/Qwen2 pair fixture)
 
@@ -196,16 +196,8 @@ def test_bild_sampled_trace_replays_both_thresholds_and_its_seed(close_pair) -> 
     log-probabilities of what a step appends are the plain ones, ``draft_calls`` counts the draft's
     forwards, and every draw comes from the run's seed, not torch's global generator."""
     s = Settings(method="bild", gamma=4, tau1=0.35, tau2=1.5, seed=5, max_new_tokens=60)
-    forwards = []
-    hook = close_pair.draft.register_forward_hook(lambda *_: forwards.append(1))
-    try:
-        torch.manual_seed(0)
-        run = generate(close_pair, PROMPT, s)
-    finally:
-        hook.remove()
-    torch.manual_seed(12345)
-    assert generate(close_pair, PROMPT, s).new_ids == run.new_ids
-    assert sum(step.draft_calls for step in run.steps) == len(forwards) > 0
+    run, forwards = seeded_run(close_pair, PROMPT, s)
+    assert sum(step.draft_calls for step in run.steps) == forwards > 0
     ctx, seen = list(run.prompt_ids), Counter()
     for step in run.steps:
         g = min(s.gamma, s.max_new_tokens - (len(ctx) - len(run.prompt_ids)) - 1)

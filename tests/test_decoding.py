@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import cached_next_logits, full_logits
+from conftest import cached_next_logits, full_logits, seeded_run
 
 from mtad.decoding import DECODERS, decode, generate
 from mtad.decoding.beams import beam_draft
@@ -222,10 +222,7 @@ def test_rollback_to_the_cached_length_keeps_the_cache(tiny_pair: ModelPair) -> 
 @pytest.mark.parametrize("method", list(DECODERS))
 def test_steps_are_seeded_numbered_named_and_say_where_each_token_came_from(close_pair: ModelPair, method: str) -> None:
     s = Settings(method=method, gamma=3, beams=2, tau1=0.2, max_new_tokens=24, seed=2)
-    torch.manual_seed(0)
-    run = generate(close_pair, PROMPT, s)
-    torch.manual_seed(1)  # every draw comes from the run's seed, none from torch's global generator
-    assert generate(close_pair, PROMPT, s).new_ids == run.new_ids
+    run, _ = seeded_run(close_pair, PROMPT, s)  # every draw comes from the run's seed
     assert [st.index for st in run.steps] == list(range(len(run.steps))) and len(run.steps) > 2
     assert method == "ar" or sum(st.accepted for st in run.steps) >= 3
     assert {st.method for st in run.steps} == {method}
@@ -302,16 +299,8 @@ def test_sd_trace_replays_its_rule_and_its_seed(close_pair: ModelPair) -> None:
     rejection, then one target token; ``draft_calls`` counts the draft's forwards; and every draw
     comes from the run's seed, not from torch's global generator."""
     s = Settings(method="sd", gamma=4, seed=11, max_new_tokens=60)
-    forwards = []
-    hook = close_pair.draft.register_forward_hook(lambda *_: forwards.append(1))
-    try:
-        torch.manual_seed(0)
-        run = generate(close_pair, PROMPT, s)
-    finally:
-        hook.remove()
-    torch.manual_seed(12345)
-    assert generate(close_pair, PROMPT, s).new_ids == run.new_ids
-    assert sum(step.draft_calls for step in run.steps) == len(forwards) > 0
+    run, forwards = seeded_run(close_pair, PROMPT, s)
+    assert sum(step.draft_calls for step in run.steps) == forwards > 0
     seen = {"accepted": 0, "rejected": 0}
     for step in run.steps:
         g, n = len(step.draft_ids), step.accepted
