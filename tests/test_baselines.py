@@ -27,6 +27,17 @@ def new_ids(pair, s: Settings) -> list[int]:  # noqa: ANN001
     return generate(pair, PROMPT, s).new_ids
 
 
+def joints(model, ctx: list[int], draft: list[int], s: Settings) -> list[float]:  # noqa: ANN001
+    """The joint (cumulated) warped log-probabilities of ``draft`` after ``ctx``, from one full forward."""
+    with torch.inference_mode():
+        lp = log_probs(model(input_ids=torch.tensor([ctx + draft])).logits[0].float(), s)
+    return (
+        torch.tensor([float(lp[len(ctx) - 1 + j, t]) for j, t in enumerate(draft)], dtype=torch.float64)
+        .cumsum(0)
+        .tolist()
+    )
+
+
 @pytest.mark.parametrize("method", ["spectr", "specinfer"])
 def test_greedy_multi_draft_equals_greedy_ar(tiny_pair, method: str) -> None:  # noqa: ANN001
     ar = new_ids(tiny_pair, Settings(method="ar", greedy=True, max_new_tokens=40))
@@ -60,9 +71,8 @@ def test_multi_draft_trace_is_the_followed_candidates(close_pair, method: str) -
         if step.candidates:
             d = step.draft_ids
             assert d == step.candidates[step.chosen] and step.appended_ids[: step.accepted] == d[: step.accepted]
-            for model, trace in ((close_pair.target, step.log_p), (close_pair.draft, step.log_q)):
-                lp = [float(log_probs(full_logits(model, ctx + d[:i]), s)[t]) for i, t in enumerate(d)]
-                assert trace == pytest.approx(torch.tensor(lp).cumsum(0).tolist(), abs=1e-4)
+            assert step.log_p == pytest.approx(joints(close_pair.target, ctx, d, s), abs=1e-4)
+            assert step.log_q == pytest.approx(joints(close_pair.draft, ctx, d, s), abs=1e-4)
             for c, k in zip(step.candidates, step.candidate_kept, strict=True):
                 assert c[:k] == d[:k] and (k == step.accepted or c[k] != d[k])
             other += any(0 < k < step.accepted for k in step.candidate_kept) or step.chosen > 0
@@ -87,16 +97,6 @@ def test_mtad_tree_keeps_the_longest_prefix_over_all_beams(tiny_pair) -> None:  
     """Every beam's passing length, recomputed from full draft and target forwards: the kept one is
     the longest, and the first iteration drafts what MTAD drafts and never keeps less."""
     from mtad.decoding.rules import mtad_accept_length
-    from mtad.sampling import log_probs
-
-    def joints(model, ctx: list[int], beam: list[int], s: Settings) -> list[float]:  # noqa: ANN001
-        with torch.inference_mode():
-            lp = log_probs(model(input_ids=torch.tensor([ctx + beam])).logits[0].float(), s)
-        return (
-            torch.tensor([float(lp[len(ctx) - 1 + j, t]) for j, t in enumerate(beam)], dtype=torch.float64)
-            .cumsum(0)
-            .tolist()
-        )
 
     chose_other = ties = 0
     for seed in range(4):

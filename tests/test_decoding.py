@@ -161,13 +161,8 @@ def test_mtad_step_records_its_beams_and_draft_calls(tiny_pair: ModelPair, mode:
     """The beams a step shows are the beam search's: W distinct drafts of g tokens, the best one by
     joint log q is the draft verified; ``draft_calls`` adds up to the draft forwards a hook counted."""
     s = Settings(method="mtad", tau=0.2, gamma=4, beams=4, draft_mode=mode, max_new_tokens=40, seed=2)
-    forwards = []
-    hook = tiny_pair.draft.register_forward_hook(lambda *_: forwards.append(1))
-    try:
-        run = generate(tiny_pair, PROMPT, s)
-    finally:
-        hook.remove()
-    assert sum(step.draft_calls for step in run.steps) == len(forwards) > 0
+    run, forwards = seeded_run(tiny_pair, PROMPT, s)
+    assert sum(step.draft_calls for step in run.steps) == forwards > 0
     for step in [step for step in run.steps if step.draft_calls]:
         g = len(step.draft_ids)
         assert step.draft_calls == g and len(step.beams) == len(step.beam_scores) == s.beams
