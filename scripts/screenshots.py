@@ -1,8 +1,8 @@
 """Refresh the README's screenshots of the web page: ``python scripts/screenshots.py``.
 
 Serves ``app.py`` on the default pair (``smollm2`` where its wheel is installed, else the embedded one;
-``MTAD_PAIR`` overrides) and drives Debian's chromium with Playwright through a first visit, a run, the verification panel and
-a second visitor waiting in the queue; the PNGs go to ``docs/screenshots/``. Needs no network: it waits
+``MTAD_PAIR`` overrides) and drives Debian's chromium with Playwright through a first visit, a run, the
+verification panel and a second visitor waiting in the queue; the PNGs go to ``docs/screenshots/``. Needs no network: it waits
 for page elements, never for the network to go idle (web fonts never load offline).
 """
 
@@ -40,6 +40,14 @@ def set_number(page: Page, elem_id: str, value: object) -> None:
         if box.input_value() == str(value):
             return
     raise RuntimeError(f"#{elem_id} kept {box.input_value()!r}, not {value!r}")
+
+
+def open_iteration(page: Page, it: int) -> None:
+    """Show iteration ``it`` in the verification panel and wait until the panel has redrawn it."""
+    set_number(page, "v-iter", it)
+    page.wait_for_function(
+        f"document.querySelector('#v-panel').innerText.includes('iteration {it} of')", timeout=30_000
+    )
 
 
 def show(page: Page, selector: str, path: Path) -> None:
@@ -85,22 +93,16 @@ def main() -> int:
         iterations = int(page.locator("#v-iter input[type=number]").get_attribute("max") or 1)
         # prefer an iteration whose table shows a failing prefix kept inside a longer passing one, else
         # the first with both a passing and a failing prefix
-        both, kept = None, None
+        both = None
         for it in range(1, min(iterations, 40) + 1):
-            set_number(page, "v-iter", it)
-            page.wait_for_function(
-                f"document.querySelector('#v-panel').innerText.includes('iteration {it} of')", timeout=30_000
-            )
+            open_iteration(page, it)
             if page.locator("#v-panel .v-kept-note").count():
-                kept = it
                 break
             if both is None and page.locator("#v-panel .v-pass").count() and page.locator("#v-panel .v-fail").count():
                 both = it
-        if kept is None and both is not None:
-            set_number(page, "v-iter", both)
-            page.wait_for_function(
-                f"document.querySelector('#v-panel').innerText.includes('iteration {both} of')", timeout=30_000
-            )
+        else:
+            if both is not None:
+                open_iteration(page, both)
         show(page, "#v-lane", OUT / "verify.png")
 
         # a second visitor presses Run while the first visitor's long run holds the device
