@@ -6,7 +6,7 @@ the K tokens that carry the sampling mass) on two sources that exist offline:
 
 * **on-policy replies**: the target's own chat replies to templated instructions, sampled like
   the app samples (T=1, top-k 20, top-p 0.9); the teacher distribution at every reply position
-  comes for free from the same ``generate`` call. This is what the draft sees at run time.
+  comes for free from the same sampling loop. This is what the draft sees at run time.
 * **Python documentation**: Debian's ``python3.11-doc`` plain-text sources
   (``/usr/share/doc/python3.11/html/_sources/**/*.rst.txt``), teacher-labelled in 512-token windows.
 
@@ -140,12 +140,60 @@ REASONING_TASKS = [
     "What would happen if {t} disappeared tomorrow? Think it through step by step.",
     "Write a short, polite message to a neighbour about {t}.",
 ]
+# A later producer run's instructions (appended, so the first runs' saved positions stay valid).
+MORE_TASKS = [
+    "Write a short blog post introduction about {t}.",
+    "Explain {t} in simple words for a beginner.",
+    "Give me a fun fact about {t} and explain why it is true.",
+    "Write a riddle whose answer is {t}, then give the answer.",
+    "What should a tourist know about {t}?",
+    "Describe a typical day for someone who works with {t}.",
+    "Write a motivational quote inspired by {t} and explain it.",
+    "Write a product description for a children's book about {t}.",
+    "What are three questions scientists still ask about {t}?",
+    "Create a short quiz with three questions about {t}, with answers.",
+    "Explain how {t} affects everyday life.",
+    "Write a four-line rhyming poem about {t}.",
+    "Give a one-sentence definition of {t}, then an example.",
+    "Write a news headline and a short news paragraph about {t}.",
+    "What would a scientist and an artist each find interesting about {t}?",
+    "Tell me a short, funny story about {t}.",
+    "What are the main parts of {t}? Describe each briefly.",
+    "How has {t} changed over the last hundred years?",
+    "Write a short speech for a school assembly about {t}.",
+    "Give five words that come to mind when you think of {t}, and explain each.",
+    "Write a diary entry from someone who just discovered {t}.",
+    "Explain {t} using an analogy.",
+    "Write a short advertisement for a museum exhibition about {t}.",
+    "What are the dangers or risks related to {t}?",
+    "Write a thank-you note to {t}.",
+    "Describe {t} from the point of view of a curious child.",
+    "Summarize what you know about {t} in a bulleted list.",
+    "Write a short mystery story that involves {t}.",
+    "Give me a simple activity for kids to learn about {t}.",
+    "What jobs are connected to {t}? Name three and describe them.",
+]
+MORE_TOPICS = (
+    "the northern lights;rain forests in Asia;the Moon's phases;hot air balloons;the Industrial Revolution;"
+    "pandas;kangaroos;dolphins;the Arctic;Antarctica;islands;lakes;waterfalls;caves;deserts at night;"
+    "the Silk Road;the Vikings;ancient Greece;the Maya;knights;samurai;pirates;explorers;the compass;"
+    "the telephone;radio;television;cameras;clocks;calendars;the wheel;paper;glass;steel;cotton;wool;"
+    "rice farming;apple trees;bananas;potatoes;spices;cheese;ice cream;soup;sandwiches;street food;"
+    "birthdays;weddings;holidays around the world;museums;zoos;theaters;cinema;painting;sculpture;"
+    "photography;dance;singing;the guitar;drums;orchestras;poetry;novels;fairy tales;comic books;"
+    "mathematics;fractions;geometry;statistics;probability;algebra;computers;the cloud;cybersecurity;"
+    "artificial intelligence;spreadsheets;programming for kids;open source software;3D printing;drones;"
+    "satellites;the International Space Station;astronauts;meteor showers;the Milky Way;exoplanets;"
+    "recycling paper;saving water;electric bikes;carpooling;walking to school;healthy lunches;"
+    "exercise;stretching;good posture;reading habits;note taking;studying for exams;homework;teamwork;"
+    "leadership;patience;curiosity;honesty;courage;making friends;moving to a new city;pets"
+).split(";")
 
 
 def chat_prompts(exclude: set[str]) -> list[str]:
     """Every task x topic instruction, seeded shuffle; then (appended, so a producer's saved position
     still points into the same list) coding, arithmetic and reasoning instructions, seeded shuffle;
-    minus any evaluation prompt."""
+    then the later tasks and topics, seeded shuffle; minus any evaluation prompt."""
     first = [t.format(t=topic) for t, topic in itertools.product(TASKS, TOPICS)]
     random.Random(SEED).shuffle(first)
     rng = random.Random(SEED + 1)
@@ -156,7 +204,11 @@ def chat_prompts(exclude: set[str]) -> list[str]:
     for t in REASONING_TASKS:
         more += [t.format(t=x, u=y) for x, y in zip(rng.sample(TOPICS, 60), rng.sample(TOPICS, 60), strict=True)]
     rng.shuffle(more)
-    return [p for p in first + more if p not in exclude]
+    later = [t.format(t=topic) for t, topic in itertools.product(MORE_TASKS, TOPICS + MORE_TOPICS)]
+    later += [t.format(t=topic) for t, topic in itertools.product(TASKS, MORE_TOPICS)]
+    random.Random(SEED + 2).shuffle(later)
+    later = [p for p in dict.fromkeys(later) if p not in set(first + more)]
+    return [p for p in first + more + later if p not in exclude]
 
 
 def eval_prompts() -> set[str]:
@@ -209,7 +261,10 @@ def produce(work: Path, minutes: float, gen_batch: int, docs_per_gen: int) -> No
     (work / "shards").mkdir(parents=True, exist_ok=True)
     state_path = work / "data_state.json"
     state = json.loads(state_path.read_text()) if state_path.exists() else {"prompt": 0, "doc": 0, "shard": 0}
+    from mtad.pair import use_cpu_kernels
+
     model, tok = load_target()
+    use_cpu_kernels(model)
     prompts = chat_prompts(eval_prompts())
     docs = doc_texts()
     doc_ids = iter(())
@@ -240,35 +295,58 @@ def next_window(tok: Any, docs: list[str], state: dict, ids: Any, n: int = 512) 
 
 
 def generate_batch(model: Any, tok: Any, prompts: list[str], seed: int, max_new: int = 192) -> list[dict]:
-    """The target's sampled replies with its raw next-token top-K at every reply position."""
+    """The target's sampled replies with its raw next-token top-K at every reply position.
+
+    The app's sampling (T 1, top-k 20, top-p 0.9; :func:`mtad.sampling.warp`, tested equal to
+    transformers' warpers) in a batched KV-cached loop that drops a row when it ends: about twice
+    the tokens a second of ``generate``, which sorts the whole vocabulary for top-p and keeps every
+    step's logits.
+    """
+    from transformers import DynamicCache
+
+    from mtad.sampling import make_generator, sample, warp
+    from mtad.settings import Settings
+
+    warping = Settings(method="ar", temperature=1.0, top_k=20, top_p=0.9)
     texts = [
         tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
         for p in prompts
     ]
     tok.padding_side = "left"
     enc = tok(texts, return_tensors="pt", padding=True)
-    torch.manual_seed(seed)
-    out = model.generate(
-        **enc,
-        do_sample=True,
-        temperature=1.0,
-        top_k=20,
-        top_p=0.9,
-        max_new_tokens=max_new,
-        output_logits=True,
-        return_dict_in_generate=True,
-        pad_token_id=tok.pad_token_id,
-    )
-    logits = torch.stack(out.logits, dim=1)  # [B, steps, V]
-    n_in = enc["input_ids"].shape[1]
+    mask = enc["attention_mask"]
+    position = (mask.cumsum(-1) - 1).clamp_min(0)
+    cache = DynamicCache(config=model.config)
+    out = model(**enc, position_ids=position, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    generator = make_generator("cpu", seed)
+    live, position = torch.arange(len(prompts)), position[:, -1:]
+    replies: list[list[int]] = [[] for _ in prompts]
+    tops: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in prompts]
+    for step in range(max_new):
+        logits = out.logits[:, -1].float()
+        idx, lp = topk_targets(logits)
+        token = sample(torch.softmax(warp(logits, warping), dim=-1), generator)
+        going = []
+        for row, b in enumerate(live.tolist()):
+            replies[b].append(int(token[row]))
+            tops[b].append((idx[row], lp[row]))
+            if replies[b][-1] != tok.eos_token_id:
+                going.append(row)
+        if not going or step == max_new - 1:
+            break
+        if len(going) < len(live):
+            keep = torch.tensor(going)
+            cache.batch_select_indices(keep)
+            live, mask, position, token = live[keep], mask[keep], position[keep], token[keep]
+        mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1)
+        position = position + 1
+        out = model(input_ids=token[:, None], attention_mask=mask, position_ids=position, past_key_values=cache)
     samples = []
     for b in range(len(prompts)):
         prompt = enc["input_ids"][b][enc["attention_mask"][b].bool()]
-        reply = out.sequences[b, n_in:]
-        stop = (reply == tok.eos_token_id).nonzero()
-        n = int(stop[0]) + 1 if len(stop) else len(reply)
-        idx, lp = topk_targets(logits[b, :n])
-        ids = torch.cat([prompt, reply[:n]]).int()
+        ids = torch.cat([prompt, torch.tensor(replies[b])]).int()
+        idx = torch.stack([i for i, _ in tops[b]])
+        lp = torch.stack([v for _, v in tops[b]])
         samples.append({"ids": ids, "start": len(prompt) - 1, "idx": idx, "lp": lp})
     return samples
 
