@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 import random
 import statistics
+import subprocess
+import sys
 import threading
 import time
 import types
@@ -361,12 +363,27 @@ def test_meter_reads_the_gpu_its_device_is_on(two_gpus, monkeypatch):
 
 @pytest.fixture
 def fake_nvml(monkeypatch):
+    """Installs one fake GPU behind ``open_device``, which records the devices it is asked to open."""
+
     def install(**kwargs):
         gpu = make_gpu(**kwargs)
-        monkeypatch.setattr(energy, "open_device", lambda device: (FakeNVML([gpu]), gpu, None))
+        gpu.opened = []
+
+        def open_device(device):
+            gpu.opened.append(torch.device(device))  # a device spec, as the real one parses it
+            return FakeNVML([gpu]), gpu, None
+
+        monkeypatch.setattr(energy, "open_device", open_device)
         return gpu
 
     return install
+
+
+def test_meter_and_sampler_open_the_gpu_they_are_given(fake_nvml):
+    gpu = fake_nvml(watts=100.0)
+    EnergyMeter("cuda:1")
+    PowerSampler("cuda:1")
+    assert gpu.opened == [torch.device("cuda:1")] * 2
 
 
 def test_counter_reading_is_the_difference_from_the_windows_start(fake_nvml):
@@ -495,6 +512,28 @@ def test_neither_counter_nor_power_is_unavailable(fake_nvml):
     assert r.joules is None and r.source == "unavailable" and r.note == m.reason
 
 
+def test_no_sample_lands_after_the_final_one(fake_nvml):
+    """A poll that read the GPU just as ``stop()`` began lands nothing after stop's own final sample."""
+    gpu = fake_nvml(watts=60.0, counter=False)
+    s = PowerSampler("cuda", hz=50)
+    polled = threading.Event()
+
+    def power_mw():
+        if threading.current_thread().name != "mtad-power-sampler":
+            return 123_000 if s._stop.is_set() else 60_000  # stop's final sample is the 123 W one
+        if not polled.is_set():
+            polled.set()
+            s._stop.wait(5)  # hold this poll's reading until stop() has begun...
+            time.sleep(0.05)  # ...and has taken its final sample
+        return 60_000
+
+    gpu.power_mw = power_mw
+    s.start()
+    assert polled.wait(5)
+    s.stop()
+    assert s.samples()[-1][1] == 123.0
+
+
 def test_power_sampler_collects_a_thread_safe_series(fake_nvml):
     fake_nvml(watts=75.0, counter=False)
     s = PowerSampler("cuda", hz=50)
@@ -583,6 +622,19 @@ def test_rapl_from_the_environment(tmp_path, monkeypatch):
     with EnergyMeter("cpu") as m:
         set_uj(root, "intel-rapl:0", 3_500_000)
     assert m.reading.joules == pytest.approx(3.5)
+
+
+def test_a_sampler_left_running_does_not_keep_the_process_alive(tmp_path):
+    """Its thread is a daemon: a script that starts a sampler and never stops it still exits."""
+    root = powercap_tree(tmp_path, {"intel-rapl:0": ("package-0", 1_000_000)})
+    script = (
+        "from mtad.energy import PowerSampler\n"
+        f"s = PowerSampler('cpu', powercap_root={str(root)!r})\n"
+        "s.start()\n"
+        "assert s._thread.is_alive()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
 
 
 def test_rapl_sampler_draws_power_from_counter_differences(tmp_path):
