@@ -43,9 +43,13 @@ def log_probs(logits: torch.Tensor, settings: Settings) -> torch.Tensor:
 def warp(logits: torch.Tensor, settings: Settings) -> torch.Tensor:
     """Temperature, then top-k, then top-p on [rows, V] logits, as transformers' warpers do.
 
-    With top-k on (the paper's k=20), top-p only has to look at the k survivors: one ``topk``
-    replaces the full-vocabulary sort of ``TopPLogitsWarper`` (a third of MTAD's bookkeeping
-    time on the embedded pair). Without top-k, transformers' warpers run as they are.
+    With top-k on (the paper's k=20), top-p only has to look at the top-k survivors: one ``topk``
+    replaces the full-vocabulary sort of ``TopPLogitsWarper`` (a third of MTAD's bookkeeping time
+    on the embedded pair). Like ``TopKLogitsWarper``, every token tied with the k-th logit survives
+    top-k: bf16 logits tie there often (at 39 % of SmolLM2's positions), and ``topk`` alone would
+    keep an arbitrary k of them. Those extra ties rank after the top k, among themselves by token
+    id, and top-p keeps as many of them as its mass rule allows; all without a host read, so the
+    decoders' one read per iteration stays one. Without top-k, transformers' warpers run as they are.
     """
     vocab = logits.shape[-1]
     if not 0 < settings.top_k < vocab:
@@ -53,15 +57,26 @@ def warp(logits: torch.Tensor, settings: Settings) -> torch.Tensor:
     if settings.temperature != 1.0:
         logits = logits / settings.temperature
     vals, idx = logits.topk(settings.top_k, dim=-1)  # sorted, largest first
-    if settings.top_p < 1.0:
-        probs = vals.softmax(dim=-1)
-        # transformers drops a token when the mass of the tokens ranked at or below it is
-        # <= 1 - top_p, i.e. when the mass ranked strictly above it is >= top_p; the first stays
-        above = probs.cumsum(dim=-1) - probs
-        drop = above >= settings.top_p
-        drop[..., 0] = False
-        vals = vals.masked_fill(drop, float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(-1, idx, vals)
+    kth = vals[..., -1:]
+    if settings.top_p >= 1.0:
+        return logits.masked_fill(logits < kth, float("-inf"))  # TopKLogitsWarper's own rule
+    ties = logits == kth
+    ties.scatter_(-1, idx, False)  # the k-th logit's ties that topk left out, ranked after the top k
+    tie_rank = ties.cumsum(dim=-1, dtype=torch.int32)  # by token id, from 1
+    weights = (vals - vals[..., :1]).exp()
+    tie_weight = weights[..., -1:]
+    total = weights.sum(dim=-1, keepdim=True) + tie_rank[..., -1:] * tie_weight
+    probs, tie_prob = weights / total, tie_weight / total
+    # transformers drops a token when the mass of the tokens ranked at or below it is <= 1 - top_p,
+    # i.e. when the mass ranked strictly above it is >= top_p; the first stays
+    above = probs.cumsum(dim=-1) - probs
+    keep_top = above < settings.top_p
+    keep_top[..., 0] = True
+    # the tie of rank r has the top k's mass and r - 1 ties' above it
+    kept_ties = ((settings.top_p - probs.sum(dim=-1, keepdim=True)) / tie_prob).ceil()
+    kept_ties = kept_ties.nan_to_num(nan=0.0).clamp(0, vocab).to(torch.int32)
+    keep = ties & (tie_rank <= kept_ties)
+    return logits.where(keep.scatter_(-1, idx, keep_top), float("-inf"))
 
 
 def pick(logp: torch.Tensor, settings: Settings, generator: torch.Generator | None) -> torch.Tensor:

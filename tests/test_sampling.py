@@ -23,6 +23,46 @@ def test_warp_equals_transformers(temperature: float, top_k: int, top_p: float) 
         torch.testing.assert_close(ours[torch.isfinite(ours)], theirs[torch.isfinite(theirs)])
 
 
+def test_top_k_keeps_every_token_tied_with_the_kth_logit() -> None:
+    """Three tokens share the third-best logit: top-k 3 keeps all five that reach it, as transformers does."""
+    logits = torch.tensor([[5.0, 3.0, 4.0, 3.0, 1.0, 3.0]])
+    s = Settings(top_k=3, top_p=1.0)
+    kept = torch.isfinite(warp(logits.clone(), s))
+    assert kept.tolist() == [[True, True, True, True, False, True]]
+    assert torch.equal(kept, torch.isfinite(warper(s)(None, logits.clone())))
+
+
+@pytest.mark.parametrize(("top_p", "kept"), [(0.4, 1), (0.5, 2), (0.6, 3), (0.75, 4), (0.9, 5)])
+def test_top_p_cuts_inside_the_ties_of_the_kth_logit(top_p: float, kept: int) -> None:
+    """Top-k 2 keeps the 2.0 and all four 1.0s (p = 0.405 and 0.149 each); top-p then keeps the first
+    token and as many ties as have less than top_p of mass ranked above them, as transformers does:
+    ties ranked after the 2.0 have 0.405, 0.554, 0.702 and 0.851 above them."""
+    logits = torch.tensor([[1.0, 2.0, 1.0, -5.0, 1.0, 1.0]])
+    s = Settings(top_k=2, top_p=top_p)
+    ours, theirs = warp(logits.clone(), s)[0], warper(s)(None, logits.clone())[0]
+    assert int(torch.isfinite(ours).sum()) == int(torch.isfinite(theirs).sum()) == kept
+    assert ours[1] == 2.0 and torch.equal(
+        ours[torch.isfinite(ours)].sort().values, theirs[torch.isfinite(theirs)].sort().values
+    )
+
+
+@pytest.mark.parametrize(("top_k", "top_p"), [(20, 0.9), (20, 1.0), (5, 0.5), (1, 1.0)])
+def test_warp_equals_transformers_on_bf16_ties(top_k: int, top_p: float) -> None:
+    """Logits rounded to bf16 tie at the k-th value in many rows: the same tokens survive top-k as with
+    transformers' warpers, and top-p keeps as many of a tied group as they do (which ones among equal
+    logits is the sort's arbitrary order, there and here)."""
+    g = torch.Generator().manual_seed(1)
+    logits = (torch.randn(256, 2000, generator=g) * 3).to(torch.bfloat16).float()
+    top = logits.topk(top_k + 1, dim=-1).values
+    assert (top[:, top_k - 1] == top[:, top_k]).sum() >= 5  # the case this test is about
+    s = Settings(top_k=top_k, top_p=top_p)
+    ours, theirs = warp(logits.clone(), s), warper(s)(None, logits.clone())
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.equal(a[torch.isfinite(a)].sort().values, b[torch.isfinite(b)].sort().values)
+    if top_p == 1.0:
+        assert torch.equal(torch.isfinite(ours), torch.isfinite(theirs))
+
+
 def test_top_p_boundary_with_exact_ties() -> None:
     """Four equal survivors (probability 1/4 each, exact in floating point) and top-p 0.5: the mass
     ranked above the third is exactly 0.5, so it is dropped, as transformers drops it; two stay."""
