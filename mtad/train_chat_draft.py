@@ -207,7 +207,8 @@ def chat_prompts(exclude: set[str]) -> list[str]:
     later = [t.format(t=topic) for t, topic in itertools.product(MORE_TASKS, TOPICS + MORE_TOPICS)]
     later += [t.format(t=topic) for t, topic in itertools.product(TASKS, MORE_TOPICS)]
     random.Random(SEED + 2).shuffle(later)
-    later = [p for p in dict.fromkeys(later) if p not in set(first + more)]
+    used = set(first + more)
+    later = [p for p in dict.fromkeys(later) if p not in used]
     return [p for p in first + more + later if p not in exclude]
 
 
@@ -297,14 +298,14 @@ def next_window(tok: Any, docs: list[str], state: dict, ids: Any, n: int = 512) 
 def generate_batch(model: Any, tok: Any, prompts: list[str], seed: int, max_new: int = 192) -> list[dict]:
     """The target's sampled replies with its raw next-token top-K at every reply position.
 
-    The app's sampling (T 1, top-k 20, top-p 0.9; :func:`mtad.sampling.warp`, tested equal to
-    transformers' warpers) in a batched KV-cached loop that drops a row when it ends: about twice
+    The app's sampling (T 1, top-k 20, top-p 0.9; :func:`mtad.sampling.log_probs` and ``pick``, as
+    the decoders draw, with warping tested equal to transformers' warpers) in a batched KV-cached loop that drops a row when it ends: about twice
     the tokens a second of ``generate``, which sorts the whole vocabulary for top-p and keeps every
     step's logits.
     """
     from transformers import DynamicCache
 
-    from mtad.sampling import make_generator, sample, warp
+    from mtad.sampling import log_probs, make_generator, pick
     from mtad.settings import Settings
 
     warping = Settings(method="ar", temperature=1.0, top_k=20, top_p=0.9)
@@ -325,12 +326,12 @@ def generate_batch(model: Any, tok: Any, prompts: list[str], seed: int, max_new:
     for step in range(max_new):
         logits = out.logits[:, -1].float()
         idx, lp = topk_targets(logits)
-        token = sample(torch.softmax(warp(logits, warping), dim=-1), generator)
+        token = pick(log_probs(logits, warping), warping, generator)
         going = []
-        for row, b in enumerate(live.tolist()):
-            replies[b].append(int(token[row]))
+        for row, (b, t) in enumerate(zip(live.tolist(), token.tolist(), strict=True)):
+            replies[b].append(t)
             tops[b].append((idx[row], lp[row]))
-            if replies[b][-1] != tok.eos_token_id:
+            if t != tok.eos_token_id:
                 going.append(row)
         if not going or step == max_new - 1:
             break
