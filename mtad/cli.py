@@ -28,8 +28,8 @@ def add_pair_args(p: argparse.ArgumentParser) -> None:
         "--device-map",
         choices=("auto", "none"),
         default=None,
-        help="auto: split the target over all GPUs (then the CPU) with accelerate, draft on its first device "
-        "(default: MTAD_DEVICE_MAP, else none)",
+        help="auto: split the target over all GPUs (then the CPU) with accelerate, draft on its first device; "
+        "--device cpu keeps the pair whole on the CPU (default: MTAD_DEVICE_MAP, else none)",
     )
 
 

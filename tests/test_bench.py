@@ -387,7 +387,8 @@ def test_parse_list_and_mean_std():
 
 
 def test_cli_entry_point_runs_in_a_subprocess(tiny_dirs, prompts_file, tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # keep a caller's packages
+    env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "mtad.bench", *pair_args(tiny_dirs), "--prompts", prompts_file, "--limit", "1",
          "--methods", "ar,hf-assisted", "--max-new-tokens", "4", "--out", str(tmp_path / "o")],

@@ -186,26 +186,52 @@ def test_models_are_built_on_their_device_not_moved_there(from_pretrained_calls:
 def test_device_map_auto_splits_the_target_and_puts_the_draft_on_its_first_device(
     from_pretrained_calls: list[dict], tiny_dirs, tiny_pair
 ) -> None:
-    pair = load(*tiny_dirs, device="cpu", device_map="auto")
+    pair = load(*tiny_dirs, device="auto", device_map="auto")  # the first GPU where there is one, else the CPU
     target_call, draft_call = from_pretrained_calls  # the target first: the draft follows its first device
     assert target_call["source"] == tiny_dirs[1] and target_call["device_map"] == "auto"
-    assert draft_call["source"] == tiny_dirs[0] and draft_call["device_map"] == pair.device == CPU
+    main = torch.device("cuda", 0) if torch.cuda.is_available() else CPU
+    assert draft_call["source"] == tiny_dirs[0] and draft_call["device_map"] == pair.device == main
+    assert pair_mod.first_device(pair.target) == main and next(pair.draft.parameters()).device == main
     for method in ("ar", "sd", "mtad"):  # the split pair decodes exactly as the one-device pair
         greedy = Settings(method=method, greedy=True, max_new_tokens=12)
         assert _tokens(pair, greedy) == _tokens(tiny_pair, greedy)
 
 
+def test_a_cpu_asked_for_by_name_keeps_the_pair_whole_on_it(from_pretrained_calls: list[dict], tiny_dirs) -> None:
+    # accelerate's "auto" would put the target on a GPU where there is one (seen on an H100)
+    pair = load(*tiny_dirs, device="cpu", device_map="auto")
+    assert [c["device_map"] for c in from_pretrained_calls] == [CPU, CPU] and pair.device == CPU
+    assert all(p.device == CPU for m in (pair.draft, pair.target) for p in m.parameters())
+
+
+def test_cuda_attention_is_kept_off_cudnn() -> None:
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        pair_mod.use_cuda_kernels()
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_pair_loaded_on_cuda_turns_cudnn_attention_off(tiny_dirs) -> None:
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    pair = load(*tiny_dirs, device="cuda")
+    assert pair.device.type == "cuda" and not torch.backends.cuda.cudnn_sdp_enabled()
+
+
 def test_device_map_from_the_operator_and_the_cli(monkeypatch: pytest.MonkeyPatch, from_pretrained_calls) -> None:
     monkeypatch.setenv("MTAD_DEVICE_MAP", "auto")
     assert resolve_device_map(None) == "auto" and resolve_device_map("none") is None
-    load_pair("embedded", device="cpu")
+    load_pair("embedded", device="auto")
     assert from_pretrained_calls[0]["device_map"] == "auto"
     monkeypatch.setenv("MTAD_DEVICE_MAP", "balanced")
     with pytest.raises(PairError, match="device map must be auto or none; got 'balanced'"):
         load_pair("embedded", device="cpu")
     monkeypatch.delenv("MTAD_DEVICE_MAP")
     from_pretrained_calls.clear()
-    args = ["generate", "--pair", "embedded", "--device", "cpu", "--device-map", "auto", "--prompt", "def"]
+    args = ["generate", "--pair", "embedded", "--device-map", "auto", "--prompt", "def"]
     assert main([*args, "--max-new-tokens", "3", "--method", "ar", "--json"]) == 0
     assert from_pretrained_calls[0]["device_map"] == "auto"
 
