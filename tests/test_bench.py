@@ -271,6 +271,26 @@ def test_cases_take_turns_on_each_prompt_and_seed(tiny_pair, prompts_file):
     assert order == [(i, seed, m) for i in (0, 1) for seed in (0, 1) for m in ("ar", "sd", "mtad")]
 
 
+@pytest.mark.parametrize("gamma", [2, 3])
+def test_hf_assisted_drafts_gamma_tokens_a_round_and_records_its_rounds(tiny_pair, gamma):
+    """transformers' default schedule changes the draft length from round to round (it started at 2 and
+    went up to 8 here when the draft's config was left alone); the draft's config fixes it at gamma,
+    as SD drafts. Each round's Step: its index, which tokens the target gave, EOS only at the end."""
+    s = Settings(method="hf-assisted", gamma=gamma, max_new_tokens=24, seed=0)
+    steps = list(decode(tiny_pair, tiny_pair.encode("abc"), s))
+    done, full = 0, []
+    for step in steps:
+        if done + gamma + 1 <= s.max_new_tokens and not set(step.draft_ids) & tiny_pair.eos_ids:
+            full.append(len(step.draft_ids))  # a round with room for gamma drafts and no EOS among them
+        done += len(step.appended_ids)
+    assert len(full) >= 3 and set(full) == {gamma}
+    assert [st.index for st in steps] == list(range(len(steps)))
+    for st in steps:
+        n = len(st.appended_ids)
+        assert st.from_target == [False] * st.accepted + [True] * (n - st.accepted)
+    assert not any(st.eos for st in steps[:-1])
+
+
 def test_hf_assisted_restores_both_generation_configs(tiny_pair):
     configs = (tiny_pair.target.generation_config, tiny_pair.draft.generation_config)
     before = [c.to_dict() for c in configs]

@@ -96,6 +96,15 @@ def test_sd_matches_target_distribution(setup: tuple) -> None:
     assert gof_pvalue(counts, law) > ALPHA
 
 
+def test_hf_assisted_matches_target_distribution(setup: tuple) -> None:
+    """transformers' assisted generation, as the bench runs it, samples the same warped law: this holds
+    only if its generation configs carry our sampling (do_sample, temperature, top-k, top-p) and
+    nothing else (no epsilon or eta cutoff, no typical-p)."""
+    pair, ids, law = setup
+    counts = sampled_first_two(pair, ids, SETTINGS.with_(method="hf-assisted"))
+    assert gof_pvalue(counts, law) > ALPHA
+
+
 def test_wrong_residual_is_caught(setup: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
     pair, ids, law = setup
     monkeypatch.setattr(speculative, "residual", lambda p, q: p)

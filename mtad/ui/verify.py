@@ -265,6 +265,7 @@ def verify_figure(lane: LaneRecord | None, index: int, tau: float) -> go.Figure:
                 },
                 text=[num(v) for v in d],
                 textposition="auto",
+                cliponaxis=False,  # a short bar's label sits above it, past the top of the axis
                 name="log p_j − log q_j",
                 hovertemplate="prefix %{x}: %{text}<extra></extra>",
             )
@@ -292,6 +293,7 @@ def verify_figure(lane: LaneRecord | None, index: int, tau: float) -> go.Figure:
                 name="log p_i − log q_i",
                 text=[num(v) for v in d],
                 textposition="auto",
+                cliponaxis=False,  # a short bar's label sits above it, past the top of the axis
             )
         )
         if logs_u:
