@@ -291,6 +291,13 @@ def test_hf_assisted_drafts_gamma_tokens_a_round_and_records_its_rounds(tiny_pai
     assert not any(st.eos for st in steps[:-1])
 
 
+def test_hf_assisted_with_room_for_one_token_is_one_round_without_drafts(tiny_pair):
+    """No room to draft: one target call, one Step, no drafts (not the verification input's tail)."""
+    steps = list(decode(tiny_pair, tiny_pair.encode("abc"), Settings(method="hf-assisted", max_new_tokens=1)))
+    assert len(steps) == 1 and steps[0].draft_ids == [] and len(steps[0].appended_ids) == 1
+    assert steps[0].target_calls == 1 and steps[0].from_target == [True]
+
+
 def test_hf_assisted_restores_both_generation_configs(tiny_pair):
     configs = (tiny_pair.target.generation_config, tiny_pair.draft.generation_config)
     before = [c.to_dict() for c in configs]

@@ -115,11 +115,10 @@ class AssistTracer:
 
 @dataclass
 class AssistTrace:
-    """What ``assisted_generate`` saw: the rounds, the output after the prompt and the target's unwarped
-    T=1 log-probabilities of it."""
+    """What ``assisted_generate`` saw: the rounds and the target's unwarped T=1 log-probabilities of the
+    output after the prompt."""
 
     rounds: list[AssistRound]
-    new_ids: list[int]
     target_logprobs: list[float]
 
 
@@ -252,7 +251,7 @@ def assisted_generate(pair: ModelPair, prompt_ids: list[int], settings: Settings
     if new.numel():
         logits = torch.cat(out.logits, dim=0)[:, : pair.vocab_size].float()
         lps = torch.log_softmax(logits, dim=-1).gather(-1, new[:, None])[:, 0].tolist()
-    return AssistTrace(rounds=tracer.rounds, new_ids=[int(t) for t in new.tolist()], target_logprobs=lps)
+    return AssistTrace(rounds=tracer.rounds, target_logprobs=lps)
 
 
 def assisted_decode(pair: ModelPair, prompt_ids: list[int], settings: Settings) -> Iterator[Step]:
