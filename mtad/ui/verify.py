@@ -274,7 +274,11 @@ def verify_figure(lane: LaneRecord | None, index: int, tau: float) -> go.Figure:
             fig.add_vrect(x0=0.5, x1=eta + 0.5, fillcolor=PASS, opacity=0.08, line_width=0)
         if math.isfinite(threshold):
             fig.add_hline(
-                y=threshold, line_dash="dash", line_color="#a855f7", annotation_text=f"log τ = {threshold:.2f}"
+                y=threshold,
+                line_dash="dash",
+                line_color="#a855f7",
+                annotation_text=f"log τ = {threshold:.2f}",
+                annotation_bgcolor="rgba(255, 255, 255, 0.85)",  # readable over a hatched bar
             )
         title = f"Prefix j passes when its bar is above log τ: accepted η = {eta}"
         style(fig, title, "prefix length j", "log p_j − log q_j", height=300)
