@@ -410,6 +410,7 @@ def test_parse_list_and_mean_std():
     assert bench.parse_list("0, 0.1,0.1,1", float, "tau") == [0.0, 0.1, 1.0]
     assert mean_std([1.0, 2.0, 3.0, None, float("nan")]) == (2.0, 1.0, 3)
     assert mean_std([4.0]) == (4.0, None, 1)
+    assert mean_std([1.0, 3.0]) == (2.0, pytest.approx(math.sqrt(2.0)), 2)  # two runs have a spread
     assert mean_std([None]) == (None, None, 0)
 
 
@@ -672,6 +673,36 @@ def test_common_prompts_leave_out_a_prompt_one_row_did_not_finish():
     assert rows["a"]["perplexity"] == pytest.approx(math.exp(9.0 / 4))
     assert rows["a"]["perplexity_common"] == pytest.approx(math.exp(1.0 / 2))
     assert rows["b"]["perplexity_common"] == pytest.approx(math.exp(3.0 / 3))
+
+
+def _record(case: str, index: int, nll: float = 1.0, tokens: int = 2, **extra) -> dict:
+    m = dict.fromkeys(Metrics.__dataclass_fields__, 0.0)
+    m.update(new_tokens=tokens, nll_sum=nll, seconds=1.0, target_calls=tokens, acceptance=None,
+             joules=None, joules_per_token=None, energy_note=None, perplexity=math.exp(nll / tokens))  # fmt: skip
+    return {"case": case, "method": case, "prompt_index": index, "energy_source": "rapl-counter", **m, **extra}
+
+
+def test_a_prompt_is_finished_only_when_every_seed_of_every_case_ran():
+    from mtad.bench_aggregate import aggregate, finished_prompts
+
+    records = [_record("a", 0), _record("a", 0), _record("a", 1), _record("b", 0), _record("b", 0), _record("b", 1)]
+    assert finished_prompts(records, runs_per_prompt=2) == {0}  # prompt 1 ran one seed of two
+    assert finished_prompts(records, runs_per_prompt=1) == {0, 1}
+    assert finished_prompts(records, runs_per_prompt=3) == set() and finished_prompts([], 2) == set()
+    # a case with no finished prompt has no common perplexity (not the pool of nothing)
+    rows = {r["case"]: r for r in aggregate([_record("a", 0), _record("b", 1)], runs_per_prompt=1)}
+    assert rows["a"]["common_prompts"] == 0 and rows["a"]["perplexity_common"] is None
+
+
+def test_a_row_carries_its_energy_source_and_every_distinct_note():
+    from mtad.bench_aggregate import aggregate
+
+    records = [_record("a", 0, energy_note="sub-second run"), _record("a", 1, energy_note="counter wrapped"),
+               _record("a", 2, energy_note="sub-second run"), _record("b", 0)]  # fmt: skip
+    rows = {r["case"]: r for r in aggregate(records)}
+    assert rows["a"]["energy_source"] == "rapl-counter"
+    assert rows["a"]["energy_note"] == "counter wrapped; sub-second run"
+    assert rows["b"]["energy_note"] is None
 
 
 # --- one home: prompt files and greedy SD are read and run by the library ------------------------------------------
