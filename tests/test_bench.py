@@ -682,6 +682,65 @@ def _record(case: str, index: int, nll: float = 1.0, tokens: int = 2, **extra) -
     return {"case": case, "method": case, "prompt_index": index, "energy_source": "rapl-counter", **m, **extra}
 
 
+def test_the_table_prints_each_figure_to_its_digits():
+    """The printed table, cell by cell: 0 decimals from 1000 up, 1 from 10, 2 from 0.1 (and for 0), else 3
+    (chosen before rounding: 999.96 prints 1000.0); n/a for a figure not measured; ``-`` for a setting a
+    method has no use for; the time split to the millisecond; failures, budget stops and the energy note."""
+    from mtad.bench_report import render_table
+
+    def row(**kw) -> dict:
+        base = dict.fromkeys(("gamma", "beams", "tau", "draft_mode", "joules_per_token", "perplexity_common"))
+        base.update(case="ar", method="ar", draft_seconds_mean=0.0, target_seconds_mean=1.5, other_seconds_mean=0.01234,
+                    runs=2, common_prompts=3, error=None, budget_stopped=False)  # fmt: skip
+        return {**base, **kw}
+
+    rows = [
+        row(
+            tokens_per_second=1000.0,
+            joules_per_token=12.345,
+            perplexity=2.3456,
+            perplexity_common=0.1,
+            block_efficiency=1.0,
+            acceptance=0.0,
+        ),  # fmt: skip
+        row(
+            case="mtad γ=4",
+            method="mtad",
+            gamma=4,
+            beams=8,
+            tau=0.1,
+            draft_mode="beam",
+            tokens_per_second=999.96,
+            joules_per_token=float("nan"),
+            perplexity=10.0,
+            perplexity_common=0.09996,
+            block_efficiency=2.5,
+            acceptance=0.012345,
+            draft_seconds_mean=0.25,
+            runs=1,
+            error="the GPU ran out of memory",
+            budget_stopped=True,
+            common_prompts=0,
+        ),  # fmt: skip
+    ]
+    assert render_table(rows, energy_note="no GPU").splitlines() == [
+        "method  γ  W  τ    draft  speed (tok/s)  J/token  perplexity  ppl common  block eff.  acceptance  "
+        "draft / target / other (s/run)  runs",
+        "------  -  -  ---  -----  -------------  -------  ----------  ----------  ----------  ----------  "
+        "------------------------------  ----",
+        "ar      -  -  -    -               1000     12.3        2.35        0.10        1.00        0.00  "
+        "         0.000 / 1.500 / 0.012     2",
+        "mtad    4  8  0.1  beam          1000.0      n/a        10.0       0.100        2.50       0.012  "
+        "         0.250 / 1.500 / 0.012     1",
+        "speed, J/token, perplexity, block eff. and acceptance are pooled over the row's runs (total over total,",
+        "see docs/metrics.md); 'ppl common' pools only the 3 prompt(s) every row finished; the time split",
+        "is the mean per run. Per-run means and standard deviations are in summary.csv and bench.json.",
+        "mtad γ=4 failed after 1 run(s): the GPU ran out of memory",
+        "mtad γ=4 ran out of its time budget after 1 run(s)",
+        "J/token n/a: no GPU",
+    ]
+
+
 def test_a_prompt_is_finished_only_when_every_seed_of_every_case_ran():
     from mtad.bench_aggregate import aggregate, finished_prompts
 
