@@ -741,6 +741,41 @@ def test_the_table_prints_each_figure_to_its_digits():
     ]
 
 
+def test_csv_columns_are_the_union_of_the_rows_keys_in_first_seen_order(tmp_path):
+    from mtad.bench_report import write_csv
+
+    path = tmp_path / "rows.csv"
+    write_csv(path, [{"a": 1, "b": None}, {"b": [1, 2], "c": {"k": "v"}, "a": 2.5}])
+    assert path.read_text(encoding="utf-8").splitlines() == ["a,b,c", "1,,", '2.5,"[1, 2]","{""k"": ""v""}"']
+
+
+def test_the_environment_names_the_run_as_it_ran(tiny_pair):
+    import platform
+
+    import transformers
+
+    from mtad.bench_report import environment
+
+    env = environment(tiny_pair, ["--pair", "a b", "--seeds", "0"], "no GPU", "rapl-counter", "abc123")
+    assert env["command"] == "python -m mtad.bench --pair 'a b' --seeds 0"
+    assert env["device"] == "cpu" and env["device_name"] == (platform.processor() or platform.machine())
+    assert env["dtype"] == str(tiny_pair.dtype).removeprefix("torch.") and env["pair"] == tiny_pair.name
+    assert (env["draft_parameters"], env["target_parameters"]) == tiny_pair.parameters()
+    assert env["cpu_count"] == os.cpu_count() and env["torch_threads"] == torch.get_num_threads()
+    assert (env["python"], env["platform"]) == (platform.python_version(), platform.platform())
+    assert (env["torch"], env["transformers"], env["cuda"]) == (
+        torch.__version__,
+        transformers.__version__,
+        torch.version.cuda,
+    )
+    assert (env["energy_source"], env["energy_unavailable_reason"], env["git_commit"]) == (
+        "rapl-counter",
+        "no GPU",
+        "abc123",
+    )
+    assert env["date"].endswith("+00:00") and len(env["date"]) == len("2026-11-22T16:49:51+00:00")
+
+
 def test_a_prompt_is_finished_only_when_every_seed_of_every_case_ran():
     from mtad.bench_aggregate import aggregate, finished_prompts
 
