@@ -741,6 +741,14 @@ def test_the_table_prints_each_figure_to_its_digits():
     ]
 
 
+def test_a_table_with_no_rows_still_prints_its_header_and_legend():
+    from mtad.bench_report import render_table
+
+    lines = render_table([]).splitlines()
+    assert lines[0].startswith("method  γ  W  τ") and set(lines[1]) == {"-", " "}
+    assert "pools only the 0 prompt(s) every row finished" in lines[3] and len(lines) == 5
+
+
 def test_csv_columns_are_the_union_of_the_rows_keys_in_first_seen_order(tmp_path):
     from mtad.bench_report import write_csv
 
