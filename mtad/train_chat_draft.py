@@ -298,10 +298,10 @@ def next_window(tok: Any, docs: list[str], state: dict, ids: Any, n: int = 512) 
 def generate_batch(model: Any, tok: Any, prompts: list[str], seed: int, max_new: int = 192) -> list[dict]:
     """The target's sampled replies with its raw next-token top-K at every reply position.
 
-    The app's sampling (T 1, top-k 20, top-p 0.9; :func:`mtad.sampling.log_probs` and ``pick``, as
-    the decoders draw, with warping tested equal to transformers' warpers) in a batched KV-cached loop that drops a row when it ends: about twice
-    the tokens a second of ``generate``, which sorts the whole vocabulary for top-p and keeps every
-    step's logits.
+    The app's sampling (T 1, top-k 20, top-p 0.9; :func:`mtad.sampling.log_probs` and ``pick``, as the
+    decoders draw, with warping tested equal to transformers' warpers) in a batched KV-cached loop that
+    drops a row when it ends: about twice the tokens a second of ``generate``, which sorts the whole
+    vocabulary for top-p and keeps every step's logits.
     """
     from transformers import DynamicCache
 

@@ -658,28 +658,22 @@ def test_time_budget_stops_each_row_and_compares_perplexity_over_common_prompts(
     assert "ran out of its time budget after 1 run(s)" in (out / "table.txt").read_text()
 
 
-def test_common_prompts_leave_out_a_prompt_one_row_did_not_finish():
-    from mtad.bench_aggregate import aggregate
-
-    def rec(case, index, nll, tokens):
-        m = dict.fromkeys(Metrics.__dataclass_fields__, 0.0)
-        m.update(new_tokens=tokens, nll_sum=nll, seconds=1.0, target_calls=tokens, acceptance=None,
-                 joules=None, joules_per_token=None, energy_note=None, perplexity=math.exp(nll / tokens))  # fmt: skip
-        return {"case": case, "method": case, "prompt_index": index, "energy_source": "x", **m}
-
-    records = [rec("a", 0, 1.0, 2), rec("a", 1, 8.0, 2), rec("b", 0, 3.0, 3)]
-    rows = {r["case"]: r for r in aggregate(records)}
-    assert rows["a"]["common_prompts"] == 1 and rows["b"]["common_prompts"] == 1
-    assert rows["a"]["perplexity"] == pytest.approx(math.exp(9.0 / 4))
-    assert rows["a"]["perplexity_common"] == pytest.approx(math.exp(1.0 / 2))
-    assert rows["b"]["perplexity_common"] == pytest.approx(math.exp(3.0 / 3))
-
-
 def _record(case: str, index: int, nll: float = 1.0, tokens: int = 2, **extra) -> dict:
     m = dict.fromkeys(Metrics.__dataclass_fields__, 0.0)
     m.update(new_tokens=tokens, nll_sum=nll, seconds=1.0, target_calls=tokens, acceptance=None,
              joules=None, joules_per_token=None, energy_note=None, perplexity=math.exp(nll / tokens))  # fmt: skip
     return {"case": case, "method": case, "prompt_index": index, "energy_source": "rapl-counter", **m, **extra}
+
+
+def test_common_prompts_leave_out_a_prompt_one_row_did_not_finish():
+    from mtad.bench_aggregate import aggregate
+
+    records = [_record("a", 0, 1.0, 2), _record("a", 1, 8.0, 2), _record("b", 0, 3.0, 3)]
+    rows = {r["case"]: r for r in aggregate(records)}
+    assert rows["a"]["common_prompts"] == 1 and rows["b"]["common_prompts"] == 1
+    assert rows["a"]["perplexity"] == pytest.approx(math.exp(9.0 / 4))
+    assert rows["a"]["perplexity_common"] == pytest.approx(math.exp(1.0 / 2))
+    assert rows["b"]["perplexity_common"] == pytest.approx(math.exp(3.0 / 3))
 
 
 def test_the_table_prints_each_figure_to_its_digits():
@@ -702,7 +696,7 @@ def test_the_table_prints_each_figure_to_its_digits():
             perplexity_common=0.1,
             block_efficiency=1.0,
             acceptance=0.0,
-        ),  # fmt: skip
+        ),
         row(
             case="mtad γ=4",
             method="mtad",
@@ -721,7 +715,7 @@ def test_the_table_prints_each_figure_to_its_digits():
             error="the GPU ran out of memory",
             budget_stopped=True,
             common_prompts=0,
-        ),  # fmt: skip
+        ),
     ]
     assert render_table(rows, energy_note="no GPU").splitlines() == [
         "method  γ  W  τ    draft  speed (tok/s)  J/token  perplexity  ppl common  block eff.  acceptance  "
