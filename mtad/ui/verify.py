@@ -44,16 +44,16 @@ def beams_html(lane: LaneRecord, step: Step, tokenizer: object | None) -> str:
     """MTAD's W beams, best first by joint log q, the chosen one marked."""
     if not step.beams:
         return ""
-    order = sorted(range(len(step.beams)), key=lambda b: -(step.beam_scores or [0.0] * len(step.beams))[b])
+    scores = step.beam_scores  # without scores (never from this library's decoders): drafting order, "—"
+    order = sorted(range(len(step.beams)), key=lambda b: -scores[b]) if scores else range(len(step.beams))
     rows = []
     for b in order:
         pieces = draft_pieces(lane, step.index, tokenizer, step.beams[b])
         toks = "".join(f'<span class="vtok">{escape(visible(p))}</span>' for p in pieces)
         chosen = b == step.best_beam
-        score = step.beam_scores[b] if step.beam_scores else float("nan")
         rows.append(
             f'<tr class="{"beam-chosen" if chosen else ""}"><td>{"★ " if chosen else ""}beam {b + 1}</td>'
-            f"<td>{toks}</td><td>{num(score)}</td></tr>"
+            f"<td>{toks}</td><td>{num(scores[b]) if scores else '—'}</td></tr>"
         )
     return (
         f'<div class="v-sub">The draft model\'s {len(step.beams)} beams (best by joint log q first; '
