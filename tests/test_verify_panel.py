@@ -12,11 +12,11 @@ import math
 from html.parser import HTMLParser
 
 import pytest
+from test_ui_render import FakeTokenizer, lane_of, mtad_step, sd_step
 
 from mtad.events import Step
 from mtad.ui import verify
 from mtad.ui.verify import FAIL, PASS
-from tests.test_ui_render import FakeTokenizer, lane_of, mtad_step, sd_step
 
 LOG_TENTH = "-2.303"  # log 0.1, as the panel prints it
 
