@@ -101,13 +101,12 @@ def make_record(
     seed: int,
     repeat: int,
     steps: list[Step],
-    reading: EnergyReading | None,
+    reading: EnergyReading,
     text: str,
 ) -> dict:
-    """One run's flat record: what ran, then every field of ``summarize`` exactly as it returned it."""
-    joules = reading.joules if reading else None
-    note = reading.note if reading else "not measured"
-    metrics = summarize(steps, joules=joules, energy_note=note)
+    """One run's flat record: what ran, then every field of ``summarize`` exactly as it returned it, then
+    its energy window (every measured run has one, even where energy cannot be read)."""
+    metrics = summarize(steps, joules=reading.joules, energy_note=reading.note)
     s = case.settings
     return {
         "case": case.label,
@@ -125,8 +124,8 @@ def make_record(
         "prompt_category": prompt.category,
         "prompt_tokens": len(prompt_ids),
         **metrics.to_dict(),
-        "energy_source": reading.source if reading else "unavailable",
-        "energy_window_seconds": reading.seconds if reading else None,
+        "energy_source": reading.source,
+        "energy_window_seconds": reading.seconds,
         "text": text,
         "new_ids": [t for st in steps for t in st.appended_ids],
     }

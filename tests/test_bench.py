@@ -23,7 +23,7 @@ from mtad.decoding import decode, generate, hf_assisted
 from mtad.energy import EnergyReading
 from mtad.events import json_safe
 from mtad.metrics import Metrics, summarize
-from mtad.prompts import PromptFileError, read_prompts
+from mtad.prompts import Prompt, PromptFileError, read_prompts
 from mtad.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -862,3 +862,125 @@ def teacher_forced_greedy_sd(draft_dir, target_dir, prompts_file, gamma, max_new
             calls += 1
         tokens += len(g)
     return tokens, calls
+
+
+# --- run_bench itself: records, turns, budgets, warm-ups, failures, interruption, progress ----------
+
+
+def _bench(pair, methods, prompts, **kwargs):
+    """``run_bench`` over ``prompts`` (texts) with small defaults that a test overrides."""
+    base = kwargs.pop("settings", Settings(max_new_tokens=4))
+    args = dict(seeds=[0], repeats=1, warmup=0, progress=False)
+    args.update(kwargs)
+    cases = bench_run.build_cases(methods, base, [2], [2], [0.1])
+    items = [Prompt(id=f"q{i}", category=f"c{i}", text=t) for i, t in enumerate(prompts)]
+    return bench_run.run_bench(pair, cases, items, [pair.encode(t) for t in prompts], **args)
+
+
+def test_a_run_record_holds_what_ran_its_metrics_and_its_energy_window(tiny_pair):
+    settings = Settings(max_new_tokens=5, temperature=0.8, top_k=7, top_p=0.95)
+    meter = FakeMeter()
+    res = _bench(tiny_pair, ["sd"], ["fgh a"], settings=settings, seeds=[3], repeats=2, warmup=1,
+                 meter=meter, keep_steps=True)  # fmt: skip
+    assert not res.failures and not res.interrupted and meter.windows == 2  # the warm-up opens no window
+    ids = tiny_pair.encode("fgh a")
+    for repeat, (rec, steps) in enumerate(zip(res.records, res.steps, strict=True)):
+        replay = list(decode(tiny_pair, ids, settings.with_(method="sd", gamma=2, beams=2, tau=0.1, seed=3)))
+        assert [s["appended_ids"] for s in steps] == [s.appended_ids for s in replay]  # the kept trace is the run's
+        assert rec["new_ids"] == [t for s in steps for t in s["appended_ids"]]
+        metrics = {k: rec[k] for k in Metrics.__dataclass_fields__}
+        assert metrics["new_tokens"] == len(rec["new_ids"]) and metrics["joules"] == 0.5 + 0.25 * repeat
+        assert metrics["joules_per_token"] == pytest.approx(metrics["joules"] / metrics["new_tokens"])
+        assert metrics["energy_note"] is None
+        what_ran = {k: v for k, v in rec.items() if k not in metrics}
+        assert what_ran == {
+            "case": "sd γ=2", "method": "sd", "gamma": 2, "beams": None, "tau": None, "draft_mode": None,
+            "greedy": False, "temperature": 0.8, "top_k": 7, "top_p": 0.95, "max_new_tokens": 5,
+            "seed": 3, "repeat": repeat, "prompt_index": 0, "prompt_id": "q0", "prompt_category": "c0",
+            "prompt_tokens": len(ids), "energy_source": "fake-counter", "energy_window_seconds": 0.01,
+            "text": tiny_pair.decode(rec["new_ids"]), "new_ids": rec["new_ids"],
+        }  # fmt: skip
+        assert list(rec)[: list(rec).index("prompt_tokens") + 1] == list(what_ran)[:17]  # what ran comes first
+    assert res.records[0]["text"]  # a real reply, not an empty string
+
+
+def test_without_a_meter_each_run_reads_the_device_s_own(tiny_pair):
+    (rec,) = _bench(tiny_pair, ["ar"], ["abc de"]).records
+    assert rec["energy_source"] == "unavailable" and rec["joules"] is None and rec["energy_window_seconds"] > 0
+    assert rec["energy_note"] == "no GPU: running on cpu, and no readable RAPL energy counter"
+
+
+def test_each_method_drafts_its_own_paper_gamma_unless_one_is_given():
+    cases = bench_run.build_cases(["sd", "bild", "ar"], Settings(), None, [8], [0.1])
+    assert [c.label for c in cases] == ["sd γ=4", "bild γ=10", "ar"]
+    assert [c.label for c in bench_run.build_cases(["bild"], Settings(), [3, 5], [8], [0.1])] == [
+        "bild γ=3",
+        "bild γ=5",
+    ]
+
+
+class FakeClock:
+    """``perf_counter`` for run_bench alone: each measured run of case k takes ``costs[k]`` seconds."""
+
+    def __init__(self, costs):
+        self.costs, self.now = costs, 0.0
+
+    def perf_counter(self):
+        return self.now
+
+
+def test_a_case_stops_once_its_budget_is_spent_and_the_others_go_on(tiny_pair, monkeypatch):
+    # ar's runs "take" 5 s and sd's 1 s, with a 3 s budget: ar stops after one prompt, sd after three
+    clock = FakeClock([5.0, 1.0])
+    real_guarded = bench_run.guarded
+
+    def timed(pair, case, result, running, k, *args):
+        out = real_guarded(pair, case, result, running, k, *args)
+        clock.now += clock.costs[k]
+        return out
+
+    monkeypatch.setattr(bench_run, "time", clock)
+    monkeypatch.setattr(bench_run, "guarded", timed)
+    res = _bench(tiny_pair, ["ar", "sd"], ["abc", "de", "fgh", "a b", "c d"], time_budget=3.0)
+    assert [(r["method"], r["prompt_index"]) for r in res.records] == [("ar", 0), ("sd", 0), ("sd", 1), ("sd", 2)]
+    assert res.budget_stopped == ["ar", "sd γ=2"]
+
+
+def test_a_case_that_fails_in_its_warm_up_is_recorded_and_never_measured(tiny_pair, monkeypatch):
+    real_decode, runs = bench_run.decode, []
+
+    def decode_or_fail(pair, ids, settings):
+        runs.append(settings.method)
+        if settings.method == "sd":
+            raise RuntimeError("the draft model is broken (test)")
+        return real_decode(pair, ids, settings)
+
+    monkeypatch.setattr(bench_run, "decode", decode_or_fail)
+    res = _bench(tiny_pair, ["ar", "sd", "mtad"], ["abc"], warmup=2, seeds=[0, 1])
+    assert res.failures == {"sd γ=2": "RuntimeError: the draft model is broken (test)"}
+    assert runs == ["ar", "ar", "sd", "mtad", "mtad"] + ["ar", "mtad"] * 2  # two warm-ups each, then 2 seeds
+    assert [r["method"] for r in res.records] == ["ar", "mtad", "ar", "mtad"]
+
+
+def test_ctrl_c_keeps_the_runs_measured_so_far(tiny_pair, monkeypatch):
+    real_decode, calls = bench_run.decode, []
+
+    def decode_then_interrupt(pair, ids, settings):
+        calls.append(settings.method)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real_decode(pair, ids, settings)
+
+    monkeypatch.setattr(bench_run, "decode", decode_then_interrupt)
+    res = _bench(tiny_pair, ["ar", "sd"], ["abc", "de"])
+    assert res.interrupted is True and not res.failures
+    assert [(r["method"], r["prompt_index"]) for r in res.records] == [("ar", 0), ("sd", 0), ("ar", 1)]
+
+
+def test_the_progress_bar_counts_every_run_on_stderr(tiny_pair, capsys):
+    _bench(tiny_pair, ["ar", "sd"], ["abc", "de"], seeds=[0, 1], warmup=1, progress=True)
+    err = capsys.readouterr().err
+    assert "10/10" in err and "run" in err  # 2 cases x (1 warm-up + 2 prompts x 2 seeds), counted in runs
+    assert "warm-up sd γ=2" in err and "prompt 1/2 seed 0" in err and "prompt 2/2 seed 1" in err
+    assert "prompt 0/" not in err and "prompt 3/" not in err
+    assert capsys.readouterr().out == ""
