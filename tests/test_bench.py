@@ -984,3 +984,10 @@ def test_the_progress_bar_counts_every_run_on_stderr(tiny_pair, capsys):
     assert "warm-up sd γ=2" in err and "prompt 1/2 seed 0" in err and "prompt 2/2 seed 1" in err
     assert "prompt 0/" not in err and "prompt 3/" not in err
     assert capsys.readouterr().out == ""
+
+
+def test_run_bench_by_default_shows_progress_and_keeps_no_steps(tiny_pair, capsys):
+    cases = bench_run.build_cases(["ar"], Settings(max_new_tokens=2), [2], [2], [0.1])
+    res = bench_run.run_bench(tiny_pair, cases, [Prompt("q", "", "abc")], [tiny_pair.encode("abc")], [0], 1, 0)
+    assert len(res.records) == 1 and res.steps == []
+    assert "1/1" in capsys.readouterr().err
