@@ -82,6 +82,11 @@ def paragraphs(html: str) -> list[str]:
     return parser.out
 
 
+def verdict(html: str) -> list[str]:
+    """The sentences of the panel's verdict, below its tables."""
+    return paragraphs(html.split('<div class="v-verdict">')[1])
+
+
 # --- MTAD's prefix table ---------------------------------------------------------------------
 
 
@@ -169,19 +174,19 @@ def test_greedy_sd_table_has_no_uniforms_and_a_zero_probability_token_shows_zero
 def test_mtad_verdict_names_the_passing_prefixes_and_what_the_run_kept():
     lane = lane_of("mtad", [mtad_step(0)])
     html = verify.verify_html(lane, 0, 0.1, 0.1, FakeTokenizer())
-    assert paragraphs(html.split('<div class="v-verdict">')[1]) == [
+    assert verdict(html) == [
         f"At τ = 0.100 (log τ = {LOG_TENTH}) the passing prefixes are: 1, 2, 4. MTAD keeps the longest passing "
         "prefix, so it accepts 4 of 4 draft tokens, then takes one token from the target at position 5.",
         "The run used τ = 0.100 and accepted 4.",
     ]
-    strict = paragraphs(verify.verify_html(lane, 0, 0.5, 0.1).split('<div class="v-verdict">')[1])
+    strict = verdict(verify.verify_html(lane, 0, 0.5, 0.1))
     assert strict[0].startswith("At τ = 0.500 (log τ = -0.693) the passing prefixes are: 1, 2.")
     assert "accepts 2 of 4 draft tokens, then takes one token from the target at position 3." in strict[0]
     assert strict[2].startswith("At this τ the prefix kept would differ")
-    never = paragraphs(verify.verify_html(lane, 0, 1.0, 0.1).split('<div class="v-verdict">')[1])
+    never = verdict(verify.verify_html(lane, 0, 1.0, 0.1))
     assert never[0].startswith("At τ = 1.000 (log τ = 0.000) the passing prefixes are: none.")
     assert never[-1] == "τ = 1 rejects every draft: min(1, p/q) never exceeds 1, so MTAD becomes AR."
-    every = paragraphs(verify.verify_html(lane, 0, 0.0, 0.1).split('<div class="v-verdict">')[1])
+    every = verdict(verify.verify_html(lane, 0, 0.0, 0.1))
     assert every[0].startswith("At τ = 0.000 (log τ = −∞) the passing prefixes are: 1, 2, 3, 4.")
     assert every[-1] == "τ = 0 accepts every prefix the target gives a non-zero probability."
     assert len(every) == 3 and not [line for line in every if "would differ" in line]  # η = 4, as in the run
@@ -190,7 +195,7 @@ def test_mtad_verdict_names_the_passing_prefixes_and_what_the_run_kept():
 def test_sd_verdict_explains_the_uniform_rule_and_the_resample():
     html = verify.verify_html(lane_of("sd", [sd_step(0)]), 0, 0.1, 0.1, FakeTokenizer())
     # SD's joint diffs 0.1, -2.5, -2.5: at τ 0.1 only prefix 1 passes
-    assert paragraphs(html.split('<div class="v-verdict">')[1]) == [
+    assert verdict(html) == [
         "SD accepts x_i when u_i < p_i/q_i and stops at the first rejection: it accepted 1 of 3, then added a "
         "token resampled from norm(max(0, p − q)). This is what keeps SD's output distributed exactly like "
         "the target's; τ plays no part.",
@@ -203,7 +208,7 @@ def test_greedy_sd_verdict_speaks_of_the_argmax_and_the_bonus_token():
     step = sd_step(0)
     step.uniforms, step.accepted = None, 3
     html = verify.verify_html(lane_of("sd", [step]), 0, 0.1, 0.1, FakeTokenizer())
-    assert paragraphs(html.split('<div class="v-verdict">')[1])[0].startswith(
+    assert verdict(html)[0].startswith(
         "greedy SD accepts while each draft token is also the target's argmax: it accepted 3 of 3, then added "
         "a bonus token from the target."
     )
@@ -214,7 +219,7 @@ def test_other_decoders_verdict_states_their_rule_and_mtad_s_for_comparison(meth
     step = sd_step(0)
     step.method = method
     html = verify.verify_html(lane_of(method, [step]), 0, 0.1, 0.1, FakeTokenizer())
-    assert paragraphs(html.split('<div class="v-verdict">')[1]) == [
+    assert verdict(html) == [
         f"{verify.RULES[method]}. It kept 1 of 3 draft tokens of the followed candidate, then added the target's token.",
         f"For comparison, MTAD's joint rule at τ = 0.100 (log τ = {LOG_TENTH}) would accept 1 of this draft.",
     ]
@@ -451,9 +456,9 @@ def test_mtad_tree_is_judged_and_drawn_by_mtad_s_rule():
     step.method = "mtad-tree"
     step.candidates, step.candidate_kept, step.chosen = [[1, 3, 4, 2]], [4], 0
     lane = lane_of("mtad-tree", [step])
-    verdict = paragraphs(verify.verify_html(lane, 0, 0.5, 0.1).split('<div class="v-verdict">')[1])
-    assert verdict[0].startswith("At τ = 0.500 (log τ = -0.693) the passing prefixes are: 1, 2.")
-    assert verdict[2] == (
+    lines = verdict(verify.verify_html(lane, 0, 0.5, 0.1))
+    assert lines[0].startswith("At τ = 0.500 (log τ = -0.693) the passing prefixes are: 1, 2.")
+    assert lines[2] == (
         "At this τ the prefix kept would differ; the tokens after it would differ too, because the target's "
         "token would come from another position (nothing is re-run here)."
     )
