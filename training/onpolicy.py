@@ -1,0 +1,423 @@
+"""On-policy distillation of the ``smollm2`` draft, matched to how it is decoded (DistillSpec).
+
+DistillSpec (Zhou et al., ICLR 2024) trains a draft on **its own samples**, labelled by the target,
+with a divergence that is the decoder's acceptance: speculative sampling accepts a draft token with
+probability sum_x min(p_w(x), q_w(x)) = 1 - TV(p_w, q_w), where p_w and q_w are the *warped* laws the
+run samples from (T 1, top-k 20, top-p 0.9). The loss here is that total variation plus a weight of
+forward KL to the target's raw top-32 law: the KL is what greedy decoding needs (argmax agreement) and
+it keeps pushing mass onto tokens that the draft's own warping has cut off, where the TV term has no
+gradient.
+
+Each round the current draft samples replies to a batch of instructions (never the benchmark's
+prompts) — or, in a share of rounds, the target does, so the draft also sees the text it will be
+asked to continue at run time — the target labels every reply position in one forward, and the trainer takes a few steps on
+a small replay buffer of recent rounds. Weights are chosen by held-out **acceptance**, computed
+exactly from p_w and q_w per position on the target's own replies to held-out instructions (the
+contexts speculative decoding meets, since its output follows the target), not by loss; every improvement is exported to ``<work>/best`` and ``--stage export`` copies it into
+``assets/models/smollm2-draft`` with its figures.
+
+Usage::
+
+    python -m training.onpolicy --stage train --minutes 150   # resumes <work>/state.pt, else the committed draft
+    python -m training.onpolicy --stage export                # <work>/best -> assets/models/smollm2-draft
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+WORK = Path(".train-onpolicy")
+DRAFT = Path("assets/models/smollm2-draft")
+TOPK = 32
+SEED = 20261124
+WARP = {"temperature": 1.0, "top_k": 20, "top_p": 0.9}  # the paper's sampling, as the app draws
+
+
+def warping() -> Any:
+    """The run settings whose warping the loss matches (the app's and the bench's sampling)."""
+    from mtad.settings import Settings
+
+    return Settings(method="ar", **WARP)
+
+
+# --------------------------------------------------------------------------- the loss
+
+
+def warped_probs(logits: torch.Tensor) -> torch.Tensor:
+    """p_w: probabilities of the warped law the decoders sample from, over the last dim
+    (differentiable in the logits the warping keeps; the cut-off ones get probability 0)."""
+    from mtad.sampling import warp
+
+    flat = logits.float().reshape(-1, logits.shape[-1])
+    return torch.softmax(warp(flat, warping()), dim=-1).reshape(logits.shape)
+
+
+def acceptance(p_w: torch.Tensor, q_w: torch.Tensor) -> torch.Tensor:
+    """Speculative sampling's chance of accepting one draft token per position: sum_x min(p_w, q_w),
+    which is 1 - TV(p_w, q_w), over the last dim."""
+    return torch.minimum(p_w, q_w).sum(-1)
+
+
+def label(logits: torch.Tensor) -> dict[str, torch.Tensor]:
+    """What the loss needs of the target at each position, from its raw logits [n, V]: the top-32 ids,
+    their raw log-probabilities (forward KL) and their warped probabilities (TV; the warped law's
+    support, 20 tokens and ties, lies inside the top 32)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    vals, idx = lp.topk(TOPK, dim=-1)
+    pw = warped_probs(logits).gather(-1, idx)
+    return {"idx": idx.int(), "lp": vals.half(), "pw": pw.half()}
+
+
+def draft_terms(
+    logits: torch.Tensor, row_of: torch.Tensor, idx: torch.Tensor, lp: torch.Tensor, pw: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """Per-position acceptance, forward KL (cross-entropy to the target's raw top-32 law renormalised
+    over the draft's shortlist) and top-1 agreement, from the draft's shortlist logits [n, K].
+
+    A target token off the shortlist has q = 0: it counts against acceptance and agreement, and is
+    left out of the KL's renormalised target (the draft cannot put mass there)."""
+    k = logits.shape[-1]
+    rows = row_of[idx.long()]
+    on = rows < k
+    safe = rows.clamp_max(k - 1)
+    q_w = warped_probs(logits).gather(-1, safe) * on
+    accept = acceptance(pw.float(), q_w)
+    teacher = torch.softmax(lp.float(), dim=-1) * on
+    teacher = teacher / teacher.sum(-1, keepdim=True).clamp_min(1e-9)
+    kl = -(teacher * torch.log_softmax(logits.float(), dim=-1).gather(-1, safe)).sum(-1)
+    agree = (logits.argmax(-1) == safe[:, 0]) & on[:, 0]
+    return {"accept": accept, "kl": kl, "agree": agree.float()}
+
+
+def loss_of(terms: dict[str, torch.Tensor], kl_weight: float) -> torch.Tensor:
+    """Mean total variation of the warped laws (1 - acceptance) plus ``kl_weight`` x forward KL."""
+    return (1 - terms["accept"]).mean() + kl_weight * terms["kl"].mean()
+
+
+# --------------------------------------------------------------------------- models
+
+
+def trainable(draft: Any) -> Any:
+    """The draft in fp32 with plain linear layers: int8 layers dequantised (training updates the dense
+    weights; export quantises them again)."""
+    from mtad.shortlist_draft import Int8Linear
+
+    draft = draft.float()
+    for module in list(draft.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, Int8Linear):
+                linear = nn.Linear(child.in_features, child.out_features, bias=False)
+                linear.weight.data.copy_(child.dequantize(torch.float32))
+                setattr(module, name, linear)
+    draft.config.int8_layers = False
+    return draft.train()
+
+
+def load_draft(path: Path) -> Any:
+    """A shortlist draft from a transformers directory, ready to train."""
+    from transformers import AutoModelForCausalLM
+
+    import mtad.shortlist_draft  # noqa: F401  (registers the class with the Auto classes)
+
+    return trainable(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
+
+
+def save_draft(draft: Any, tok: Any, out: Path) -> None:
+    """Export as the pair loads it: bf16 embedding and norms, int8 decoder layers, the tokenizer."""
+    import copy
+
+    out.mkdir(parents=True, exist_ok=True)
+    model = copy.deepcopy(draft).eval().to(torch.bfloat16).quantize_layers()
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+
+
+# --------------------------------------------------------------------------- data
+
+
+def instructions(heldout: bool) -> list[str]:
+    """The trainer's instructions (the chat trainer's templates), split by position: every tenth is
+    held out. The benchmark's prompts are excluded by text."""
+    from mtad.train_chat_draft import chat_prompts, eval_prompts
+
+    prompts = chat_prompts(eval_prompts())
+    return [p for i, p in enumerate(prompts) if (i % 10 == 9) == heldout]
+
+
+@torch.inference_mode()
+def sample_replies(draft: Any, tok: Any, prompts: list[str], seed: int, max_new: int) -> list[dict]:
+    """The draft's own replies, sampled as the app samples (its shortlist logits, warped), in one
+    batched KV-cached loop; each sample holds the chat-formatted ids and where the reply starts."""
+    from transformers import DynamicCache
+
+    from mtad.sampling import make_generator, pick
+
+    settings = warping()
+    was_training = draft.training
+    draft.eval()
+    texts = [
+        tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+        for p in prompts
+    ]
+    tok.padding_side = "left"
+    enc = tok(texts, return_tensors="pt", padding=True)
+    mask = enc["attention_mask"]
+    position = (mask.cumsum(-1) - 1).clamp_min(0)
+    cache = DynamicCache(config=draft.config)
+    out = draft(**enc, position_ids=position, past_key_values=cache, use_cache=True, logits_to_keep=1, shortlist_only=True)
+    generator = make_generator("cpu", seed)
+    columns = draft.columns
+    live, position = torch.arange(len(prompts)), position[:, -1:]
+    replies: list[list[int]] = [[] for _ in prompts]
+    for step in range(max_new):
+        logq = torch.log_softmax(warp_rows(out.logits[:, -1], settings), dim=-1)
+        token = columns[pick(logq, settings, generator)]
+        going = []
+        for row, (b, t) in enumerate(zip(live.tolist(), token.tolist(), strict=True)):
+            replies[b].append(t)
+            if t != tok.eos_token_id:
+                going.append(row)
+        if not going or step == max_new - 1:
+            break
+        if len(going) < len(live):
+            keep = torch.tensor(going)
+            cache.batch_select_indices(keep)
+            live, mask, position, token = live[keep], mask[keep], position[keep], token[keep]
+        mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1)
+        position = position + 1
+        out = draft(
+            input_ids=token[:, None],
+            attention_mask=mask,
+            position_ids=position,
+            past_key_values=cache,
+            use_cache=True,
+            shortlist_only=True,
+        )
+    draft.train(was_training)
+    samples = []
+    for b in range(len(prompts)):
+        prompt = enc["input_ids"][b][enc["attention_mask"][b].bool()]
+        samples.append({"ids": torch.cat([prompt, torch.tensor(replies[b])]).int(), "start": len(prompt) - 1})
+    return samples
+
+
+def target_replies(target: Any, tok: Any, prompts: list[str], seed: int, max_new: int) -> list[dict]:
+    """The target's own sampled replies (the chat trainer's batched loop), as ids and reply start."""
+    from mtad.train_chat_draft import generate_batch
+
+    return [{"ids": s["ids"], "start": s["start"]} for s in generate_batch(target, tok, prompts, seed, max_new)]
+
+
+def warp_rows(logits: torch.Tensor, settings: Any) -> torch.Tensor:
+    """Warped fp32 logits of [rows, V] logits (filtered tokens at -inf)."""
+    from mtad.sampling import warp
+
+    return warp(logits.float(), settings)
+
+
+@torch.inference_mode()
+def label_samples(target: Any, samples: list[dict], chunk: int = 8) -> list[dict]:
+    """The target's labels at every reply position (the position before each reply token), one
+    forward per ``chunk`` samples, right-padded."""
+    for i in range(0, len(samples), chunk):
+        part = samples[i : i + chunk]
+        width = max(len(s["ids"]) for s in part)
+        ids = torch.zeros(len(part), width, dtype=torch.long)
+        mask = torch.zeros(len(part), width, dtype=torch.long)
+        for b, s in enumerate(part):
+            ids[b, : len(s["ids"])] = s["ids"].long()
+            mask[b, : len(s["ids"])] = 1
+        logits = target(input_ids=ids, attention_mask=mask).logits
+        for b, s in enumerate(part):
+            s.update(label(logits[b, s["start"] : len(s["ids"]) - 1]))
+    return samples
+
+
+def batch_terms(draft: Any, samples: list[dict]) -> dict[str, torch.Tensor]:
+    """:func:`draft_terms` over every reply position of ``samples``."""
+    width = max(len(s["ids"]) for s in samples)
+    ids = torch.zeros(len(samples), width, dtype=torch.long)
+    mask = torch.zeros(len(samples), width, dtype=torch.long)
+    rows, cols = [], []
+    for b, s in enumerate(samples):
+        ids[b, : len(s["ids"])] = s["ids"].long()
+        mask[b, : len(s["ids"])] = 1
+        c = torch.arange(s["start"], s["start"] + len(s["idx"]))
+        rows.append(torch.full_like(c, b))
+        cols.append(c)
+    rows, cols = torch.cat(rows), torch.cat(cols)
+    hidden = draft.model(input_ids=ids, attention_mask=mask).last_hidden_state
+    logits = draft.shortlist_logits(hidden[rows, cols])
+    cat = {k: torch.cat([s[k] for s in samples]) for k in ("idx", "lp", "pw")}
+    return draft_terms(logits, draft.model.embed_tokens.row_of, cat["idx"], cat["lp"], cat["pw"])
+
+
+@torch.inference_mode()
+def evaluate(draft: Any, heldout: list[dict], chunk: int = 8) -> dict[str, float]:
+    """Held-out acceptance, top-1 agreement and forward KL, pooled over every position."""
+    was_training = draft.training
+    draft.eval()
+    sums = {"accept": 0.0, "agree": 0.0, "kl": 0.0}
+    n = 0
+    for i in range(0, len(heldout), chunk):
+        terms = batch_terms(draft, heldout[i : i + chunk])
+        for k in sums:
+            sums[k] += terms[k].sum().item()
+        n += terms["accept"].numel()
+    draft.train(was_training)
+    return {k: v / max(n, 1) for k, v in sums.items()} | {"positions": n}
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+def load_target() -> tuple[Any, Any]:
+    """The smollm2 target as the pair runs it on this CPU (its best dtype and kernels), and its tokenizer."""
+    from mtad.pair import auto_dtype, use_cpu_kernels
+    from mtad.train_chat_draft import load_target as load
+
+    target, tok = load(auto_dtype(torch.device("cpu")))
+    return use_cpu_kernels(target), tok
+
+
+def train(args: argparse.Namespace) -> None:
+    """Rounds of (draft samples, target labels, a few steps), checkpointed every few minutes,
+    resumable; exports every held-out improvement in acceptance to ``<work>/best``."""
+    torch.set_num_threads(args.threads)
+    work: Path = args.work
+    work.mkdir(parents=True, exist_ok=True)
+    target, tok = load_target()
+    state_path = work / "state.pt"
+    saved = torch.load(state_path, weights_only=False) if state_path.exists() else None
+    draft = load_draft(DRAFT if saved is None else work / "last")
+    opt = torch.optim.AdamW(draft.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98))
+    log: list[dict] = []
+    step, rnd, spent = 0, 0, 0.0
+    if saved:
+        if saved.get("opt"):
+            opt.load_state_dict(saved["opt"])
+        step, rnd, spent, log = saved["step"], saved["round"], saved["seconds"], saved["log"]
+
+    held_path = work / "heldout.pt"
+    if held_path.exists():
+        heldout = torch.load(held_path, weights_only=False)
+    else:  # the target's own replies: the text speculative decoding's contexts follow
+        held_prompts = random.Random(SEED).sample(instructions(heldout=True), args.heldout)
+        heldout = []
+        for i in range(0, len(held_prompts), 16):
+            heldout += target_replies(target, tok, held_prompts[i : i + 16], SEED + i, args.max_new)
+        label_samples(target, heldout)
+        torch.save(heldout, held_path)
+    if not log:
+        log.append({"step": 0, "round": 0, "seconds": 0.0, "heldout": evaluate(draft, heldout), "committed": True})
+        print(f"[onpolicy] committed draft: {log[0]['heldout']}", flush=True)
+    best = max(e["heldout"]["accept"] for e in log)
+
+    prompts = instructions(heldout=False)
+    random.Random(SEED).shuffle(prompts)
+    buffer: list[dict] = []
+    rng = random.Random(SEED + step)
+    t0, t_save = time.time(), time.time()
+    budget = args.minutes * 60
+    while (spent + time.time() - t0) < budget:
+        # 1. the current draft writes replies; 2. the target labels them
+        batch = [prompts[(rnd * args.gen_batch + i) % len(prompts)] for i in range(args.gen_batch)]
+        writer = target_replies if rng.random() < args.teacher_share else sample_replies
+        fresh = label_samples(target, writer(draft if writer is sample_replies else target, tok, batch, SEED + 1000 + rnd, args.max_new))
+        rnd += 1
+        buffer = (buffer + fresh)[-args.buffer :]
+        # 3. a few steps on the recent rounds
+        for _ in range(args.steps_per_round):
+            progress = (spent + time.time() - t0) / budget
+            lr = args.lr * min(1.0, (step + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1))))
+            for g in opt.param_groups:
+                g["lr"] = lr
+            terms = batch_terms(draft, rng.sample(buffer, min(args.batch, len(buffer))))
+            loss = loss_of(terms, args.kl_weight)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+            opt.step()
+            step += 1
+        print(
+            f"[onpolicy] round {rnd} step {step} loss {loss.item():.3f} accept {terms['accept'].mean().item():.3f} "
+            f"agree {terms['agree'].mean().item():.3f} kl {terms['kl'].mean().item():.3f} lr {lr:.2e}",
+            flush=True,
+        )
+        if rnd % args.eval_every == 0:
+            held = evaluate(draft, heldout)
+            log.append({"step": step, "round": rnd, "seconds": spent + time.time() - t0, "heldout": held})
+            print(f"[onpolicy] heldout {held}", flush=True)
+            if held["accept"] > best:
+                best = held["accept"]
+                save_draft(draft, tok, work / "best")
+                (work / "best" / "train_log.json").write_text(json.dumps({"step": step, "log": log}, indent=1))
+                print(f"[onpolicy] new best {best:.4f} -> {work / 'best'}", flush=True)
+        if time.time() - t_save > 180:
+            checkpoint(work, draft, tok, opt, step, rnd, spent + time.time() - t0, log)
+            t_save = time.time()
+    checkpoint(work, draft, tok, opt, step, rnd, spent + time.time() - t0, log)
+    print("[onpolicy] done", flush=True)
+
+
+def checkpoint(work: Path, draft: Any, tok: Any, opt: Any, step: int, rnd: int, seconds: float, log: list) -> None:
+    """The draft's fp32 weights (``last``), the optimiser and the counters, written atomically."""
+    tmp = work / "last.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    draft.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    shutil.rmtree(work / "last", ignore_errors=True)
+    tmp.rename(work / "last")
+    state = {"opt": opt.state_dict(), "step": step, "round": rnd, "seconds": seconds, "log": log}
+    torch.save(state, work / "state.tmp")
+    (work / "state.tmp").rename(work / "state.pt")
+
+
+def export(args: argparse.Namespace) -> None:
+    """Copy ``<work>/best`` over the committed draft, with the held-out figures that chose it."""
+    best = args.work / "best"
+    if not (best / "model.safetensors").exists():
+        sys.exit(f"nothing to export: {best} holds no weights (no round beat the committed draft yet)")
+    log = json.loads((best / "train_log.json").read_text())
+    for name in ("model.safetensors", "config.json", "generation_config.json"):
+        if (best / name).exists():
+            shutil.copy(best / name, DRAFT / name)
+    (DRAFT / "onpolicy_log.json").write_text(json.dumps(log, indent=1))
+    print(f"exported step {log['step']} to {DRAFT}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m training.onpolicy", description=__doc__.splitlines()[0])
+    ap.add_argument("--stage", choices=("train", "export"), required=True)
+    ap.add_argument("--work", type=Path, default=WORK)
+    ap.add_argument("--minutes", type=float, default=150, help="training time of the whole run (cosine schedule)")
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--kl-weight", type=float, default=0.1)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--gen-batch", type=int, default=16, help="replies the draft writes a round")
+    ap.add_argument("--steps-per-round", type=int, default=4)
+    ap.add_argument("--buffer", type=int, default=64, help="replies kept for replay")
+    ap.add_argument("--max-new", type=int, default=128)
+    ap.add_argument("--heldout", type=int, default=96, help="held-out replies")
+    ap.add_argument("--eval-every", type=int, default=10, help="rounds between held-out evaluations")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--teacher-share", type=float, default=0.5, help="share of rounds whose replies the target writes")
+    args = ap.parse_args(argv)
+    train(args) if args.stage == "train" else export(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
