@@ -36,7 +36,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 WORK = Path(".train-onpolicy")
 DRAFT = Path("assets/models/smollm2-draft")
@@ -176,7 +175,9 @@ def sample_replies(draft: Any, tok: Any, prompts: list[str], seed: int, max_new:
     mask = enc["attention_mask"]
     position = (mask.cumsum(-1) - 1).clamp_min(0)
     cache = DynamicCache(config=draft.config)
-    out = draft(**enc, position_ids=position, past_key_values=cache, use_cache=True, logits_to_keep=1, shortlist_only=True)
+    out = draft(
+        **enc, position_ids=position, past_key_values=cache, use_cache=True, logits_to_keep=1, shortlist_only=True
+    )
     generator = make_generator("cpu", seed)
     columns = draft.columns
     live, position = torch.arange(len(prompts)), position[:, -1:]
@@ -335,7 +336,9 @@ def train(args: argparse.Namespace) -> None:
         # 1. the current draft writes replies; 2. the target labels them
         batch = [prompts[(rnd * args.gen_batch + i) % len(prompts)] for i in range(args.gen_batch)]
         writer = target_replies if rng.random() < args.teacher_share else sample_replies
-        fresh = label_samples(target, writer(draft if writer is sample_replies else target, tok, batch, SEED + 1000 + rnd, args.max_new))
+        fresh = label_samples(
+            target, writer(draft if writer is sample_replies else target, tok, batch, SEED + 1000 + rnd, args.max_new)
+        )
         rnd += 1
         buffer = (buffer + fresh)[-args.buffer :]
         # 3. a few steps on the recent rounds
