@@ -52,6 +52,7 @@ TABLE_COLUMNS = (
     ("J/token", lambda r: fmt(r["joules_per_token"])),
     ("perplexity", lambda r: fmt(r["perplexity"])),
     ("ppl common", lambda r: fmt(r["perplexity_common"])),
+    ("rep. 4-grams", lambda r: fmt(r.get("repetition"))),
     ("block eff.", lambda r: fmt(r["block_efficiency"])),
     ("acceptance", lambda r: fmt(r["acceptance"])),
     ("draft / target / other (s/run)", time_split),
@@ -62,8 +63,9 @@ LEFT = 5
 
 LEGEND = (
     "speed, J/token, perplexity, block eff. and acceptance are pooled over the row's runs (total over total,\n"
-    "see docs/metrics.md); 'ppl common' pools only the {common} prompt(s) every row finished; the time split\n"
-    "is the mean per run. Per-run means and standard deviations are in summary.csv and bench.json."
+    "see docs/metrics.md); 'ppl common' pools only the {common} prompt(s) every row finished; 'rep. 4-grams'\n"
+    "is the share of repeated 4-grams (a looping text has a low perplexity); the time split is the mean per run.\n"
+    "Per-run means and standard deviations are in summary.csv and bench.json."
 )
 
 

@@ -10,6 +10,12 @@ from dataclasses import asdict, dataclass, fields
 
 from mtad.events import Step, json_safe
 
+REPEAT_N = 4
+"""Repetition is counted over n-grams of this many tokens."""
+LOOP_REPETITION = 0.15
+"""A text with this share of repeated 4-grams or more is called a loop: target samples (AR, SD) of
+128–512 tokens stay at a few per cent, MTAD's loops reach 17–54 % (docs/metrics.md)."""
+
 
 @dataclass
 class Metrics:
@@ -35,14 +41,23 @@ class Metrics:
     joules: float | None = None
     joules_per_token: float | None = None
     energy_note: str | None = None
+    ngrams: int = 0
+    repeated_ngrams: int = 0
+    repetition: float | None = None
+
+    @property
+    def loops(self) -> bool:
+        """The text repeats itself: a low perplexity then rewards the loop, not the decoder."""
+        return self.repetition is not None and self.repetition >= LOOP_REPETITION
 
     def to_dict(self) -> dict:
         return json_safe(asdict(self))
 
     @classmethod
     def from_dict(cls, d: dict) -> Metrics:
-        """Back from :meth:`to_dict` (a bench record): an NLL sum saved as None (infinite) is infinite again."""
-        values = {f.name: d[f.name] for f in fields(cls)}
+        """Back from :meth:`to_dict` (a bench record): an NLL sum saved as None (infinite) is infinite again;
+        a field a record predates keeps its default."""
+        values = {f.name: d[f.name] for f in fields(cls) if f.name in d}
         if values["nll_sum"] is None:
             values["nll_sum"] = math.inf
         return cls(**values)
@@ -55,6 +70,7 @@ def summarize(steps: Sequence[Step], joules: float | None = None, energy_note: s
     drafted = sum(len(s.draft_ids) for s in steps)
     accepted = sum(s.accepted for s in steps)
     lps = [lp for s in steps for lp in s.target_logprobs]
+    ngrams, repeated = repeated_ngrams([t for s in steps for t in s.appended_ids])
     d, t, o = (sum(getattr(s, k) for s in steps) for k in ("draft_seconds", "target_seconds", "other_seconds"))
     secs = d + t + o
     return Metrics(
@@ -77,7 +93,29 @@ def summarize(steps: Sequence[Step], joules: float | None = None, energy_note: s
         joules=joules,
         joules_per_token=joules / new if joules is not None and new else None,
         energy_note=energy_note,
+        ngrams=ngrams,
+        repeated_ngrams=repeated,
+        repetition=repeated / ngrams if ngrams else None,
     )
+
+
+def repeated_ngrams(ids: Sequence[int], n: int = REPEAT_N) -> tuple[int, int]:
+    """How many n-grams a token sequence has, and how many of them occurred earlier in it (overlaps
+    count): ``repeated / total`` is the share of the text that repeats itself."""
+    seen: set[tuple[int, ...]] = set()
+    total = repeated = 0
+    for i in range(len(ids) - n + 1):
+        gram = tuple(ids[i : i + n])
+        total += 1
+        repeated += gram in seen
+        seen.add(gram)
+    return total, repeated
+
+
+def repetition(ids: Sequence[int], n: int = REPEAT_N) -> float | None:
+    """The share of a sequence's n-grams that repeat an earlier one; None when it has none."""
+    total, repeated = repeated_ngrams(ids, n)
+    return repeated / total if total else None
 
 
 def perplexity(target_logprobs: Sequence[float]) -> float:
@@ -101,6 +139,7 @@ class Pooled:
     overhead_fraction: float | None
     joules_per_token: float | None
     metered_runs: int
+    repetition: float | None = None
 
     def to_dict(self) -> dict:
         return json_safe(asdict(self))
@@ -109,7 +148,7 @@ class Pooled:
 def pool(runs: Sequence[Metrics]) -> Pooled:
     """Pooled figures of several runs: perplexity = exp(total NLL / total new tokens) (paper eq. 1 over
     all tokens), speed = total tokens / total seconds, J/token = total joules / total tokens of the
-    metered runs, block efficiency and acceptance as ratios of totals; None where a total is 0."""
+    metered runs, block efficiency, acceptance and repetition as ratios of totals; None where a total is 0."""
     tokens = sum(m.new_tokens for m in runs)
     seconds = sum(m.seconds for m in runs)
     calls = sum(m.target_calls for m in runs)
@@ -127,4 +166,5 @@ def pool(runs: Sequence[Metrics]) -> Pooled:
         overhead_fraction=sum(m.other_seconds for m in runs) / seconds if seconds > 0 else None,
         joules_per_token=sum(m.joules for m in metered) / metered_tokens if metered_tokens else None,
         metered_runs=len(metered),
+        repetition=sum(m.repeated_ngrams for m in runs) / grams if (grams := sum(m.ngrams for m in runs)) else None,
     )

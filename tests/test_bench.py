@@ -694,6 +694,7 @@ def test_the_table_prints_each_figure_to_its_digits():
             joules_per_token=12.345,
             perplexity=2.3456,
             perplexity_common=0.1,
+            repetition=0.0312,
             block_efficiency=1.0,
             acceptance=0.0,
         ),
@@ -708,6 +709,7 @@ def test_the_table_prints_each_figure_to_its_digits():
             joules_per_token=float("nan"),
             perplexity=10.0,
             perplexity_common=0.09996,
+            repetition=0.5,
             block_efficiency=2.5,
             acceptance=0.012345,
             draft_seconds_mean=0.25,
@@ -718,17 +720,18 @@ def test_the_table_prints_each_figure_to_its_digits():
         ),
     ]
     assert render_table(rows, energy_note="no GPU").splitlines() == [
-        "method  γ  W  τ    draft  speed (tok/s)  J/token  perplexity  ppl common  block eff.  acceptance  "
-        "draft / target / other (s/run)  runs",
-        "------  -  -  ---  -----  -------------  -------  ----------  ----------  ----------  ----------  "
-        "------------------------------  ----",
-        "ar      -  -  -    -               1000     12.3        2.35        0.10        1.00        0.00  "
-        "         0.000 / 1.500 / 0.012     2",
-        "mtad    4  8  0.1  beam          1000.0      n/a        10.0       0.100        2.50       0.012  "
-        "         0.250 / 1.500 / 0.012     1",
+        "method  γ  W  τ    draft  speed (tok/s)  J/token  perplexity  ppl common  rep. 4-grams  block eff.  "
+        "acceptance  draft / target / other (s/run)  runs",
+        "------  -  -  ---  -----  -------------  -------  ----------  ----------  ------------  ----------  "
+        "----------  ------------------------------  ----",
+        "ar      -  -  -    -               1000     12.3        2.35        0.10         0.031        1.00  "
+        "      0.00           0.000 / 1.500 / 0.012     2",
+        "mtad    4  8  0.1  beam          1000.0      n/a        10.0       0.100          0.50        2.50  "
+        "     0.012           0.250 / 1.500 / 0.012     1",
         "speed, J/token, perplexity, block eff. and acceptance are pooled over the row's runs (total over total,",
-        "see docs/metrics.md); 'ppl common' pools only the 3 prompt(s) every row finished; the time split",
-        "is the mean per run. Per-run means and standard deviations are in summary.csv and bench.json.",
+        "see docs/metrics.md); 'ppl common' pools only the 3 prompt(s) every row finished; 'rep. 4-grams'",
+        "is the share of repeated 4-grams (a looping text has a low perplexity); the time split is the mean per run.",
+        "Per-run means and standard deviations are in summary.csv and bench.json.",
         "mtad γ=4 failed after 1 run(s): the GPU ran out of memory",
         "mtad γ=4 ran out of its time budget after 1 run(s)",
         "J/token n/a: no GPU",
@@ -740,7 +743,7 @@ def test_a_table_with_no_rows_still_prints_its_header_and_legend():
 
     lines = render_table([]).splitlines()
     assert lines[0].startswith("method  γ  W  τ") and set(lines[1]) == {"-", " "}
-    assert "pools only the 0 prompt(s) every row finished" in lines[3] and len(lines) == 5
+    assert "pools only the 0 prompt(s) every row finished" in lines[3] and len(lines) == 6
 
 
 def test_csv_columns_are_the_union_of_the_rows_keys_in_first_seen_order(tmp_path):

@@ -11,7 +11,7 @@ import torch
 
 from mtad.decoding import generate
 from mtad.events import Step
-from mtad.metrics import perplexity, summarize
+from mtad.metrics import Metrics, perplexity, summarize
 from mtad.pair import ModelPair
 from mtad.settings import Settings
 
@@ -134,3 +134,35 @@ def test_target_logprobs_are_the_unwarped_full_forward(close_pair: ModelPair, se
     if s.method != "ar":
         # accepted drafts' log-probs were checked too, not only the target's own tokens
         assert sum(step.accepted for step in run.steps) >= 5
+
+
+def test_repetition_counts_ngrams_that_occurred_earlier():
+    from mtad.metrics import repeated_ngrams, repetition
+
+    # 1 2 3 4 1 2 3 4 1: 4-grams 1234 2341 3412 4123 1234(rep) 2341(rep) -> 6 grams, 2 repeated
+    assert repeated_ngrams([1, 2, 3, 4, 1, 2, 3, 4, 1]) == (6, 2)
+    assert repetition([1, 2, 3, 4, 5, 6, 7, 8]) == 0.0
+    assert repetition([7, 7, 7, 7, 7, 7]) == 2 / 3  # 3 grams, the 2nd and 3rd repeat the 1st
+    assert repetition([1, 2, 3]) is None  # shorter than one 4-gram
+    assert repeated_ngrams([1, 2, 1, 2, 1], n=2) == (4, 2)
+
+
+def test_summary_and_pool_carry_repetition_and_flag_loops():
+    from mtad.metrics import LOOP_REPETITION, pool, summarize
+
+    loop = summarize([Step(0, "mtad", appended_ids=[5, 6, 7, 8] * 5, target_logprobs=[-0.1] * 20, target_calls=1)])
+    fresh = summarize([Step(0, "ar", appended_ids=list(range(20)), target_logprobs=[-2.0] * 20, target_calls=1)])
+    assert (loop.ngrams, loop.repeated_ngrams) == (17, 13)
+    assert loop.repetition == 13 / 17 and loop.loops and loop.repetition >= LOOP_REPETITION
+    assert fresh.repetition == 0.0 and not fresh.loops
+    assert pool([loop, fresh]).repetition == 13 / 34  # repeats over all grams, not a mean of ratios
+    assert Metrics.from_dict(loop.to_dict()) == loop
+
+
+def test_a_record_without_repetition_fields_still_loads():
+    from mtad.metrics import summarize
+
+    d = summarize([Step(0, "ar", appended_ids=[1, 2], target_logprobs=[-1.0, -1.0], target_calls=1)]).to_dict()
+    for k in ("ngrams", "repeated_ngrams", "repetition"):
+        d.pop(k)
+    assert Metrics.from_dict(d).repetition is None

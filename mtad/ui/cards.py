@@ -30,7 +30,8 @@ def energy_text(m: Metrics, lane: LaneRecord) -> str:
 
 
 def card_html(lane: LaneRecord) -> str:
-    """One lane's card: speed, energy, block efficiency, acceptance, perplexity, target calls."""
+    """One lane's card: speed, energy, block efficiency, acceptance, perplexity and repetition (with a
+    warning when the text loops), target calls."""
     m = lane.metrics()
     rows = [
         ("tokens/s", fmt(m.tokens_per_second), "new tokens / seconds of this lane's own work"),
@@ -38,6 +39,11 @@ def card_html(lane: LaneRecord) -> str:
         ("block efficiency", fmt(m.block_efficiency), "new tokens per target forward pass (AR = 1)"),
         ("acceptance", "—" if m.acceptance is None else f"{m.acceptance:.1%}", "accepted / drafted tokens"),
         ("perplexity", fmt(m.perplexity), "under the target, unwarped, T = 1"),
+        (
+            "repeated 4-grams",
+            "—" if m.repetition is None else f"{m.repetition:.0%}",
+            "share of this text's 4-token sequences that already appeared in it",
+        ),
         ("target calls", str(m.target_calls), "target forward passes"),
     ]
     cells = "".join(
@@ -51,6 +57,11 @@ def card_html(lane: LaneRecord) -> str:
         f"target {m.target_seconds:.2f} s · other {m.other_seconds:.2f} s"
     )
     note = f'<div class="card-note">{escape(m.energy_note)}</div>' if m.energy_note else ""
+    if m.loops:
+        note += (
+            f'<div class="card-note card-loop">This text repeats itself ({m.repetition:.0%} of its 4-grams): '
+            "its low perplexity rewards the loop, not better text.</div>"
+        )
     return (
         f'<div class="mtad-card" data-method="{escape(lane.method)}">'
         f'<div class="card-title">{escape(lane.label)} <span class="card-state">{escape(lane.state)}</span></div>'
