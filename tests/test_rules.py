@@ -82,3 +82,13 @@ def test_mismatched_joints_are_refused() -> None:
 )
 def test_sd_rule(p: list[float], q: list[float], u: list[float], n: int) -> None:
     assert int(sd_accept_length_t(torch.tensor(p), torch.tensor(q), torch.tensor(u))) == n
+
+
+def test_a_prefix_the_draft_gives_zero_probability_never_passes() -> None:
+    # a beam search pads with beams of joint q = 0 when warping leaves fewer than W tokens: p/0 would
+    # pass any tau, so such a prefix must fail, while the finite prefix before it is judged as usual
+    log_p, log_q = [-0.1, -0.2], [-0.5, -math.inf]
+    assert mtad_passes(log_p, log_q, 0.1) == [True, False]
+    assert both(log_p, log_q, 0.1) == 1
+    assert both(log_p, log_q, 0.0) == 1  # even at tau = 0
+    assert both([-0.1, -0.2], [-math.inf, -math.inf], 0.0) == 0

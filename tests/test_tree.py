@@ -114,3 +114,39 @@ def test_rows_and_tree_agree(tiny_pair, greedy: bool) -> None:  # noqa: ANN001
                 )
         out[how] = st.ids
     assert out["rows"] == out["tree"]
+
+
+@pytest.mark.parametrize("how", ["tree", "rows"])
+def test_mtad_tree_never_accepts_a_padded_beam(tiny_pair, monkeypatch: pytest.MonkeyPatch, how: str) -> None:  # noqa: ANN001
+    """top-p 0.05 leaves one token a step, so 3 of W = 4 beams are padding of joint q = 0. At tau = 0 the
+    old rule passed their p/0 = inf prefixes; now no accepted token has q = 0, the tree leaves the padding
+    out of the target's forward, and the caches stay equal to a recompute."""
+    import math
+
+    from mtad.decoding import DECODERS, mtad_tree, multidraft
+
+    trees: list[TokenTree] = []
+    real = multidraft.verify_tree
+    monkeypatch.setattr(multidraft, "verify_tree", lambda st, tree: trees.append(tree) or real(st, tree))
+    if how == "rows":  # as under an attention kernel without 4-D masks (flash attention)
+        monkeypatch.setattr(mtad_tree, "layout", lambda st, n: "rows")
+    s = Settings(method="mtad-tree", top_p=0.05, beams=4, gamma=3, tau=0.0, max_new_tokens=24, seed=3)
+    st = DecodeState.start(tiny_pair, tiny_pair.encode("abc de"), s)
+    padded = accepted = 0
+    while st.remaining > 0:
+        step = DECODERS["mtad-tree"].step(st)
+        if step.beam_scores is None:  # the last token of the budget: a plain target step
+            break
+        dead = [not math.isfinite(x) for x in step.beam_scores]
+        padded += sum(dead)
+        assert not dead[step.chosen]
+        assert all(math.isfinite(x) for x in step.log_q[: step.accepted])
+        accepted += step.accepted
+        if how == "tree":
+            assert len(trees[-1].paths) == dead.count(False)
+        for lm, model in ((st.target, tiny_pair.target), (st.draft, tiny_pair.draft)):
+            torch.testing.assert_close(cached_next_logits(lm, st.ids), full_logits(model, st.ids), rtol=1e-4, atol=1e-4)
+        if step.eos:
+            break
+    assert padded > 0 and accepted > 0  # the padding was there, and drafts were still accepted
+    assert (len(trees) > 0) == (how == "tree")

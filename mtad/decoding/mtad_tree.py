@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from mtad.decoding.autoregressive import ar_step
 from mtad.decoding.beams import beam_draft
-from mtad.decoding.multidraft import kept_lengths, verified
+from mtad.decoding.multidraft import kept_lengths, layout, tree_verified, verified
 from mtad.decoding.rules import mtad_accept_length_t
 from mtad.decoding.state import DecodeState, kept_logprobs, to_host
 from mtad.events import Step
@@ -24,13 +26,23 @@ def mtad_tree_step(st: DecodeState) -> Step:
         return ar_step(st)
     t0 = st.begin()
     beams = beam_draft(st, g)  # leaves the draft cache on the best beam's row
-    checked = verified(st, beams.tokens)
-    logits = torch.stack([torch.stack([checked.at(w, i) for i in range(g + 1)]) for w in range(len(beams.tokens))])
+    width = beams.tokens.shape[0]
+    # A beam of joint q = 0 is padding (warping left fewer than W candidates): it takes no part. The tree
+    # layout reads the beams' ids to merge their prefixes; their scores come in the same read, and the
+    # padding stays out of the target's forward. Every layout zeroes its accepted length.
+    live = torch.isfinite(beams.scores)
+    if layout(st, width) == "tree":
+        ids, scores = to_host(beams.tokens, beams.scores)
+        ids = [ids[i * g : (i + 1) * g] for i in range(width)]
+        checked = tree_verified(st, beams.tokens, ids, [math.isfinite(s) for s in scores])
+    else:
+        checked = verified(st, beams.tokens, "rows")
+    logits = torch.stack([torch.stack([checked.at(w, i) for i in range(g + 1)]) for w in range(width)])
     log_p = st.judged(logits)
     lp_x = log_p[:, :g].gather(2, beams.tokens[:, :, None])[:, :, 0]
     joint_p, joint_q = lp_x.cumsum(1), beams.token_logq.cumsum(1)
     etas = torch.stack([mtad_accept_length_t(jp, jq, st.settings.tau) for jp, jq in zip(joint_p, joint_q, strict=True)])
-    width = etas.numel()
+    etas = etas * live
     rank = etas * (2 * width) + (torch.arange(width, device=st.device) == beams.best) * width
     chosen = (rank - torch.arange(width, device=st.device)).argmax()
     row = chosen.view(1)  # index_select, not [0-d tensor] indexing, which reads the index on the host

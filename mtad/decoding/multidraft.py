@@ -160,17 +160,27 @@ def rows_verified(st: DecodeState, drafts: torch.Tensor) -> Verified:
     return Verified(at=lambda w, i: logits[w, i], keep=lambda w, n: keep_row(st.target, w))
 
 
-def tree_verified(st: DecodeState, drafts: torch.Tensor) -> Verified:
-    """:func:`mtad.decoding.tree.verify_tree` as a :class:`Verified`."""
-    tree = TokenTree.from_sequences(drafts.tolist())
+def tree_verified(
+    st: DecodeState, drafts: torch.Tensor, ids: list[list[int]] | None = None, live: list[bool] | None = None
+) -> Verified:
+    """:func:`mtad.decoding.tree.verify_tree` as a :class:`Verified`. ``ids``: the drafts' token ids when
+    the caller has already read them; ``live``: which candidates to put in the tree (the others are
+    left out of the forward; asked for any position, they get the context's logits, and the caller
+    must not accept any of their tokens)."""
+    ids = drafts.tolist() if ids is None else ids
+    live = [True] * len(ids) if live is None else live
+    kept = [w for w, ok in enumerate(live) if ok]
+    tree = TokenTree.from_sequences([ids[w] for w in kept])
+    paths = [tree.paths[kept.index(w)] if ok else [] for w, ok in enumerate(live)]
     k = len(st.ids) - st.target.length
     logits = verify_tree(st, tree)
     context = len(st.ids)
 
     def at(w: int, i: int) -> torch.Tensor:
-        return logits[k - 1] if i == 0 else logits[k + tree.paths[w][i - 1]]
+        """Logits after candidate w's first i tokens (a candidate left out has only the context's)."""
+        return logits[k - 1] if i == 0 or not live[w] else logits[k + paths[w][i - 1]]
 
-    return Verified(at=at, keep=lambda w, n: keep_path(st.target, context, tree.paths[w][:n]))
+    return Verified(at=at, keep=lambda w, n: keep_path(st.target, context, paths[w][:n]))
 
 
 TREE_ATTENTION = ("eager", "sdpa", CPU_SDPA)

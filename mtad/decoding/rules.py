@@ -12,7 +12,9 @@ def mtad_passes(log_p: Sequence[float], log_q: Sequence[float], tau: float) -> l
     """Prefix j passes iff min(1, p_j / q_j) > tau, judged in log space.
 
     tau = 1 passes nothing (min(1, .) never exceeds 1); tau = 0 passes every prefix the
-    target gives non-zero probability.
+    target gives non-zero probability. A prefix the draft gives probability 0 never passes: the
+    draft cannot have proposed it (a beam search pads with such beams when warping leaves fewer
+    than W candidates), and its ratio p/0 would otherwise pass any tau.
     """
     if tau >= 1.0:
         return [False] * len(log_p)
@@ -25,8 +27,10 @@ def log_tau(tau: float) -> float:
 
 
 def log_ratios(log_p: Sequence[float], log_q: Sequence[float]) -> list[float]:
-    """log p_j − log q_j per prefix: what the rule compares with log τ (−inf where p_j = 0)."""
-    return [lp - lq if math.isfinite(lp) else -math.inf for lp, lq in zip(log_p, log_q, strict=True)]
+    """log p_j − log q_j per prefix: what the rule compares with log τ (−inf where p_j = 0 or q_j = 0)."""
+    return [
+        lp - lq if math.isfinite(lp) and math.isfinite(lq) else -math.inf for lp, lq in zip(log_p, log_q, strict=True)
+    ]
 
 
 def mtad_accept_length(log_p: Sequence[float], log_q: Sequence[float], tau: float) -> int:
@@ -41,7 +45,7 @@ def mtad_accept_length_t(joint_p: torch.Tensor, joint_q: torch.Tensor, tau: floa
     if tau >= 1.0 or g == 0:
         return torch.zeros((), dtype=torch.long, device=joint_p.device)
     # float64, like the host twin, so re-judging the recorded joints gives the same answer.
-    ok = (joint_p.double() - joint_q.double() > log_tau(tau)) & torch.isfinite(joint_p)
+    ok = (joint_p.double() - joint_q.double() > log_tau(tau)) & torch.isfinite(joint_p) & torch.isfinite(joint_q)
     lengths = torch.arange(1, g + 1, device=joint_p.device)
     return (ok.long() * lengths).max()
 
