@@ -146,13 +146,20 @@ def save_draft(draft: Any, tok: Any, out: Path) -> None:
 # --------------------------------------------------------------------------- data
 
 
+SEEN = 12_000
+"""The committed draft's earlier training answered the first 12,000 instructions of the chat trainer's
+list (its model card): held-out instructions come from the rest, so no draft has seen them."""
+
+
 def instructions(heldout: bool) -> list[str]:
-    """The trainer's instructions (the chat trainer's templates), split by position: every tenth is
-    held out. The benchmark's prompts are excluded by text."""
+    """The trainer's instructions (the chat trainer's templates): every tenth instruction past the
+    ones the committed draft was trained on is held out, the rest are for training. The benchmark's
+    prompts are excluded by text."""
     from mtad.train_chat_draft import chat_prompts, eval_prompts
 
     prompts = chat_prompts(eval_prompts())
-    return [p for i, p in enumerate(prompts) if (i % 10 == 9) == heldout]
+    held = set(range(SEEN, len(prompts), 10))
+    return [p for i, p in enumerate(prompts) if (i in held) == heldout]
 
 
 @torch.inference_mode()
