@@ -116,6 +116,8 @@ def environment(
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "dtype": str(pair.dtype).replace("torch.", ""),
+        "linear_kernels": dict(pair.kernels),
+        "cpu_flags": cpu_flags() if dev.type == "cpu" else None,
         "pair": pair.name,
         "draft_parameters": draft_params,
         "target_parameters": target_params,
@@ -128,6 +130,23 @@ def environment(
         "energy_unavailable_reason": meter_reason,
         "git_commit": commit,
     }
+
+
+def cpu_flags() -> list[str]:
+    """The CPU's vector and matrix extensions that decide which kernels are fast (AVX2, AVX-512, AMX),
+    as the CPU reports them, the capability PyTorch's own kernels were dispatched to, and the variables
+    that cap the instruction sets (how an AVX2-only CPU is emulated on a newer one)."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        flags = set()
+    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "amx_int8")
+    emulated = [
+        f"{v}={os.environ[v]}"
+        for v in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+        if v in os.environ
+    ]
+    return [f for f in wanted if f in flags] + [f"aten:{torch.backends.cpu.get_cpu_capability()}"] + emulated
 
 
 def git_commit() -> str | None:

@@ -14,8 +14,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from mtad.cpu_attention import use_cpu_gqa_attention
-from mtad.cpu_linear import use_stationary_linears
 from mtad.gguf_cache import materialize
+from mtad.kernels import choose as choose_linear_kernel
+from mtad.kernels import use_linear_kernel
 from mtad.shortlist_draft import Int8Linear  # importing it registers shortlist drafts with the Auto classes
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -62,6 +63,9 @@ class ModelPair:
     name: str = "custom"
     vocab_size: int = 0
     eos_ids: frozenset[int] = field(default_factory=frozenset)
+    kernels: dict[str, str] = field(default_factory=dict)
+    """The linear-layer kernel each model runs (``mtad.kernels``), e.g. ``{"draft": "onednn", "target": "onednn"}``;
+    empty off the CPU, where PyTorch's own kernels run."""
 
     @property
     def chat(self) -> bool:
@@ -223,9 +227,11 @@ def load(
         models = [_load(AutoModelForCausalLM, draft, name, dtype=dt, device_map=dev).eval(), target_model]
     else:
         models = [_load(AutoModelForCausalLM, src, name, dtype=dt, device_map=dev).eval() for src in (draft, target)]
+    kernels = {}
     if dev.type == "cpu":
-        for m in models:
+        for role, m in zip(("draft", "target"), models, strict=True):
             use_cpu_kernels(m)
+            kernels[role] = m.mtad_linear_kernel
     sizes = [logits_width(m) for m in models]
     if min(sizes) < len(tok_t):
         raise PairError(
@@ -245,15 +251,21 @@ def load(
         name=name,
         vocab_size=min(sizes),
         eos_ids=frozenset(eos),
+        kernels=kernels,
     )
 
 
 def use_cpu_kernels(model: torch.nn.Module) -> torch.nn.Module:
-    """A CPU model's faster paths, same values: grouped-query attention left to the kernel, and for
-    bf16 the weight-first linear product (``mtad.cpu_attention``, ``mtad.cpu_linear``)."""
+    """A CPU model's faster paths, same products: grouped-query attention left to the kernel
+    (``mtad.cpu_attention``) and the linear-layer kernel measured fastest here (``mtad.kernels``),
+    recorded as ``model.mtad_linear_kernel``."""
     use_cpu_gqa_attention(model)
-    if next(model.parameters()).dtype == torch.bfloat16:
-        use_stationary_linears(model)
+    try:
+        kernel = choose_linear_kernel(model)
+    except ValueError as exc:
+        raise PairError(str(exc)) from exc
+    use_linear_kernel(model, kernel)
+    model.mtad_linear_kernel = kernel
     return model
 
 

@@ -779,6 +779,20 @@ def test_the_environment_names_the_run_as_it_ran(tiny_pair):
         "abc123",
     )
     assert env["date"].endswith("+00:00") and len(env["date"]) == len("2026-11-22T16:49:51+00:00")
+    assert env["linear_kernels"] == tiny_pair.kernels and set(env["linear_kernels"]) == {"draft", "target"}
+    assert env["cpu_flags"][-1] == f"aten:{torch.backends.cpu.get_cpu_capability()}" or any(
+        f.startswith("ATEN_CPU_CAPABILITY=") for f in env["cpu_flags"]
+    )
+
+
+def test_the_environment_names_emulated_instruction_sets(tiny_pair, monkeypatch):
+    from mtad.bench_report import environment
+
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    env = environment(tiny_pair, [], None, "none", None)
+    assert env["cpu_flags"][-1] == "ONEDNN_MAX_CPU_ISA=AVX2"
+    flags = set(open("/proc/cpuinfo").read().split())
+    assert ("avx2" in env["cpu_flags"]) == ("avx2" in flags)
 
 
 def test_a_prompt_is_finished_only_when_every_seed_of_every_case_ran():

@@ -52,11 +52,16 @@ def test_swap_keeps_parameters_and_ties() -> None:
     assert use_stationary_linears(model) == 0  # nothing left to swap
 
 
-def test_bf16_cpu_pairs_get_the_weight_first_product(tiny_dirs: tuple[str, str]) -> None:
+def test_bf16_cpu_pairs_get_the_kernel_they_are_told(
+    tiny_dirs: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     def linears(model: nn.Module) -> set[type]:
         return {type(m) for m in model.modules() if isinstance(m, nn.Linear)}
 
+    monkeypatch.setenv("MTAD_CPU_LINEAR", "stationary")
     bf16 = load(*tiny_dirs, device="cpu", dtype="bfloat16")
     assert linears(bf16.target) == {StationaryLinear} and linears(bf16.draft) == {StationaryLinear}
+    assert bf16.kernels == {"draft": "stationary", "target": "stationary"}
+    monkeypatch.setenv("MTAD_CPU_LINEAR", "mkl")
     fp32 = load(*tiny_dirs, device="cpu", dtype="float32")
-    assert linears(fp32.target) == {nn.Linear}
+    assert linears(fp32.target) == {nn.Linear} and fp32.kernels == {"draft": "mkl", "target": "mkl"}

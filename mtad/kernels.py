@@ -1,0 +1,151 @@
+"""Which linear-layer kernel a CPU model runs, chosen on this machine by measuring it.
+
+A decoding forward multiplies a few rows of activations by every weight matrix, so the kernel that
+streams the weights fastest for 1 row (AR, SD's drafts) and for γ + 1 rows (a verification) sets the
+speed. Which one that is depends on the CPU and the dtype, and no flag predicts it well:
+
+- ``mkl``: PyTorch's own ``F.linear``. On AVX2-only CPUs in fp32 a 5-row product costs about twice a
+  1-row one (MKL's small-row sgemm), so verification costs 1.9x a one-token forward.
+- ``stationary``: the weight-first bf16 product (:mod:`mtad.cpu_linear`), fastest on AMX Xeons; on a
+  CPU without native bf16 it is 4x slower than ``mkl``.
+- ``onednn``: weights prepacked once for oneDNN (``torch.ops.mkldnn._reorder_linear_weight``) and
+  multiplied by ``_linear_pointwise``; fp32 and bf16. It takes the 5-row lm_head of SmolLM2 on an
+  AVX2 EPYC from 23 to 11 ms.
+
+At load, :func:`choose` times every candidate on the model's own weight shapes for 1 and 5 rows,
+interleaved, and keeps the fastest total (about 0.3 s); ``MTAD_CPU_LINEAR`` names one instead.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from mtad.cpu_linear import StationaryLinear, replace_linears, stationary_linear
+
+KERNELS = ("mkl", "stationary", "onednn")
+PROBE_ROWS = (1, 5)
+"""Row counts a decoding forward multiplies: one token, and a γ = 4 verification (γ + 1 rows)."""
+
+
+class OneDNNLinear(nn.Linear):
+    """A linear layer whose weight is prepacked once for oneDNN (CPU, fp32 or bf16, inference only).
+
+    ``weight`` and ``bias`` stay the original parameters (a tied head stays tied, ``state_dict`` is
+    unchanged); the forward reads only the packed copy, made when the layer is built."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
+        self.weight, self.bias = linear.weight, linear.bias
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.requires_grad or x.dtype != self.weight.dtype or x.device.type != "cpu":
+            return F.linear(x, self.weight, self.bias)
+        flat = x.reshape(-1, self.in_features)
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
+        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def candidates(dtype: torch.dtype) -> tuple[str, ...]:
+    """Kernels that can run ``dtype`` on this CPU: ``stationary`` is a bf16 kernel, oneDNN needs
+    PyTorch's mkldnn build."""
+    out = ["mkl"]
+    if dtype == torch.bfloat16:
+        out.append("stationary")
+    if torch.backends.mkldnn.is_available() and dtype in (torch.float32, torch.bfloat16):
+        out.append("onednn")
+    return tuple(out)
+
+
+def product(kernel: str, weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x -> x @ weight.T`` computed by ``kernel``."""
+    if kernel == "mkl":
+        return lambda x: F.linear(x, weight)
+    if kernel == "stationary":
+        return lambda x: stationary_linear(x, weight)
+    if kernel == "onednn":
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    raise ValueError(f"linear kernel must be one of {', '.join(KERNELS)}; got {kernel!r}")
+
+
+@torch.inference_mode()
+def probe(weights: list[torch.Tensor], kernels: tuple[str, ...], rows: tuple[int, ...] = PROBE_ROWS) -> dict:
+    """Median seconds each kernel takes for ``weights``' products at each row count, summed over the
+    weights: rounds of every kernel in turn, so a busy machine slows them alike."""
+    fns = {k: [product(k, w) for w in weights] for k in kernels}
+    xs = {r: [torch.randn(r, w.shape[1], dtype=w.dtype) for w in weights] for r in rows}
+    times: dict[str, dict[int, list[float]]] = {k: {r: [] for r in rows} for k in kernels}
+    for round_ in range(6):
+        for k in kernels:
+            for r in rows:
+                t0 = time.perf_counter()
+                for fn, x in zip(fns[k], xs[r], strict=True):
+                    fn(x)
+                if round_:  # the first round warms the kernels up
+                    times[k][r].append(time.perf_counter() - t0)
+    return {k: {r: statistics.median(ts) for r, ts in by_rows.items()} for k, by_rows in times.items()}
+
+
+def probe_weights(model: nn.Module) -> list[torch.Tensor]:
+    """The weights of the model's first decoder layer (every shape a layer multiplies by), a sample
+    of what a forward streams."""
+    linears = [m for m in model.modules() if type(m) in (nn.Linear, StationaryLinear, OneDNNLinear)]
+    seen, out = set(), []
+    for m in linears:
+        shape = tuple(m.weight.shape)
+        if shape not in seen and m.weight.numel() < 16_000_000:  # not the vocabulary head: too slow to probe
+            seen.add(shape)
+            out.append(m.weight.detach())
+    return out
+
+
+def choose(model: nn.Module) -> str:
+    """The linear kernel for a CPU model: ``MTAD_CPU_LINEAR`` when set, else the fastest by :func:`probe`
+    over 1 and 5 rows (their times added), ``mkl`` when there is nothing to compare."""
+    dtype = next(model.parameters()).dtype
+    allowed = candidates(dtype)
+    wanted = os.environ.get("MTAD_CPU_LINEAR", "auto")
+    if wanted != "auto":
+        if wanted not in KERNELS:
+            raise ValueError(f"MTAD_CPU_LINEAR must be auto or one of {', '.join(KERNELS)}; got {wanted!r}")
+        if wanted not in allowed:
+            raise ValueError(f"MTAD_CPU_LINEAR={wanted} cannot run {dtype} here; choose one of {', '.join(allowed)}")
+        return wanted
+    weights = probe_weights(model)
+    if len(allowed) == 1 or not weights:
+        return allowed[0]
+    timed = probe(weights, allowed)
+    return min(allowed, key=lambda k: sum(timed[k].values()))
+
+
+def use_linear_kernel(model: nn.Module, kernel: str) -> int:
+    """Put ``kernel``'s layer in place of every plain ``nn.Linear`` (or one a previous choice made) in
+    ``model``; returns how many were replaced. Other linear modules (int8 layers) are left alone."""
+
+    def make(child: nn.Linear) -> nn.Module:
+        if type(child) not in (nn.Linear, StationaryLinear, OneDNNLinear):
+            return child
+        if kernel == "mkl":
+            return child if type(child) is nn.Linear else _rebuilt(nn.Linear, child)
+        if kernel == "stationary":
+            return child if type(child) is StationaryLinear else _rebuilt(StationaryLinear, child)
+        return child if type(child) is OneDNNLinear else OneDNNLinear(child)
+
+    return replace_linears(model, make)
+
+
+def _rebuilt(cls: type[nn.Linear], child: nn.Linear) -> nn.Linear:
+    """A ``cls`` layer holding ``child``'s own parameters (no copy)."""
+    new = cls(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
+    new.weight, new.bias = child.weight, child.bias
+    return new

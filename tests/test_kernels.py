@@ -1,0 +1,130 @@
+"""The linear-layer kernels a CPU model may run: the same products as F.linear, chosen by measurement
+or by the operator, and decoding that gives the same tokens whichever runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import full_logits
+from torch import nn
+from torch.nn import functional as F
+
+from mtad.cpu_linear import StationaryLinear
+from mtad.decoding import generate
+from mtad.kernels import OneDNNLinear, candidates, choose, probe, product, use_linear_kernel
+from mtad.pair import PairError, load
+from mtad.settings import Settings
+
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs PyTorch built with oneDNN")
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 5, 8])
+@pytest.mark.parametrize("bias", [False, True])
+def test_onednn_product_equals_f_linear_in_fp32(rows: int, bias: bool) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    lin = nn.Linear(64, 96, bias=bias)
+    x = torch.randn(2, rows, 64, generator=gen)
+    want = F.linear(x, lin.weight, lin.bias)
+    got = OneDNNLinear(lin)(x)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(got, torch.zeros_like(got))
+
+
+@needs_onednn
+def test_onednn_product_in_bf16_is_one_rounding_from_the_exact_product() -> None:
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 64, generator=gen).bfloat16()
+    x = torch.randn(5, 64, generator=gen).bfloat16()
+    got = product("onednn", w)(x)
+    exact = x.float() @ w.float().t()
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), exact, rtol=2 * 2**-8, atol=2e-2)
+
+
+def test_candidates_follow_the_dtype() -> None:
+    assert "stationary" not in candidates(torch.float32)  # a bf16 kernel: 4x slower than mkl without native bf16
+    assert "stationary" in candidates(torch.bfloat16) and candidates(torch.float16) == ("mkl",)
+    assert candidates(torch.float32)[0] == "mkl"
+
+
+def test_probe_times_every_kernel_at_every_row_count() -> None:
+    w = torch.randn(48, 32)
+    timed = probe([w], ("mkl", "onednn") if torch.backends.mkldnn.is_available() else ("mkl",), rows=(1, 3))
+    assert all(set(by_rows) == {1, 3} and all(t > 0 for t in by_rows.values()) for by_rows in timed.values())
+
+
+def test_the_operator_names_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = nn.Sequential(nn.Linear(8, 8))
+    monkeypatch.setenv("MTAD_CPU_LINEAR", "mkl")
+    assert choose(model) == "mkl"
+    monkeypatch.setenv("MTAD_CPU_LINEAR", "stationary")
+    with pytest.raises(ValueError, match="cannot run torch.float32 here"):
+        choose(model)
+    monkeypatch.setenv("MTAD_CPU_LINEAR", "fast")
+    with pytest.raises(ValueError, match="MTAD_CPU_LINEAR must be auto or one of mkl, stationary, onednn"):
+        choose(model)
+
+
+def test_a_bad_kernel_name_is_a_pair_error(tiny_dirs: tuple[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MTAD_CPU_LINEAR", "fast")
+    with pytest.raises(PairError, match="MTAD_CPU_LINEAR"):
+        load(*tiny_dirs, device="cpu", dtype="float32")
+
+
+def test_auto_picks_a_kernel_that_can_run_the_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MTAD_CPU_LINEAR", raising=False)
+    for dtype in (torch.float32, torch.bfloat16):
+        model = nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 64)).to(dtype)
+        assert choose(model) in candidates(dtype)
+
+
+def test_swapping_keeps_parameters_ties_and_values() -> None:
+    emb = nn.Embedding(10, 6)
+    model = nn.Sequential(nn.Linear(6, 4), nn.ReLU(), nn.Linear(4, 6, bias=False), nn.Linear(6, 10, bias=False))
+    model[3].weight = emb.weight  # a tied head
+    before = {k: v.data_ptr() for k, v in model.state_dict().items()}
+    x = torch.randn(3, 6)
+    with torch.inference_mode():
+        want = model(x)
+    kinds = ("onednn", "stationary", "mkl") if torch.backends.mkldnn.is_available() else ("stationary", "mkl")
+    types = {"onednn": OneDNNLinear, "stationary": StationaryLinear, "mkl": nn.Linear}
+    for kernel in kinds:
+        use_linear_kernel(model, kernel)
+        assert {type(model[i]) for i in (0, 2, 3)} == {types[kernel]}
+        assert model[3].weight is emb.weight
+        assert {k: v.data_ptr() for k, v in model.state_dict().items()} == before
+        with torch.inference_mode():
+            torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-6)
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_pair_on_onednn_keeps_its_logits(tiny_dirs, monkeypatch: pytest.MonkeyPatch, dtype) -> None:
+    """The prepacked kernel changes the speed, not the model: logits match the plain kernel's."""
+    monkeypatch.setenv("MTAD_CPU_LINEAR", "mkl")
+    plain = load(*tiny_dirs, device="cpu", dtype=dtype)
+    monkeypatch.setenv("MTAD_CPU_LINEAR", "onednn")
+    packed = load(*tiny_dirs, device="cpu", dtype=dtype)
+    assert {type(m) for m in packed.target.modules() if isinstance(m, nn.Linear)} == {OneDNNLinear}
+    ids = packed.encode("hello wor")
+    tol = 1e-4 if dtype == "float32" else 5e-2
+    torch.testing.assert_close(full_logits(packed.target, ids), full_logits(plain.target, ids), rtol=tol, atol=tol)
+
+
+@needs_onednn
+def test_greedy_speculative_equals_greedy_ar_on_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the embedded pair (trained, so drafts are accepted) with prepacked fp32 weights, the exact
+    decoders in greedy mode (SD, SpecInfer) give greedy AR's tokens, and drafts were accepted."""
+    from mtad.pair import load_pair
+
+    monkeypatch.setenv("MTAD_CPU_LINEAR", "onednn")
+    pair = load_pair("embedded", device="cpu", dtype="float32")
+    assert pair.kernels == {"draft": "onednn", "target": "onednn"}
+    prompt = "def fibonacci(n):\n    "
+    ar = generate(pair, prompt, Settings(method="ar", greedy=True, max_new_tokens=40)).new_ids
+    for method in ("sd", "specinfer"):
+        run = generate(pair, prompt, Settings(method=method, greedy=True, max_new_tokens=40))
+        assert run.new_ids == ar
+        assert sum(s.accepted for s in run.steps) > 0
