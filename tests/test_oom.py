@@ -36,7 +36,7 @@ def test_an_oom_mid_run_releases_caches_and_logits_before_emptying(
     def feed(self: CachedLM, tokens: torch.Tensor, keep: int = 1, columns: bool = False) -> torch.Tensor:
         calls["n"] += 1
         if calls["n"] == 6:
-            refs.extend(weakref.ref(t) for layer in self.cache.layers for t in (layer.keys, layer.values))
+            refs.extend(weakref.ref(t) for t in self.cache.tensors())
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
         logits = real_feed(self, tokens, keep, columns)
         refs.append(weakref.ref(logits))

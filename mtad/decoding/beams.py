@@ -55,8 +55,8 @@ def beam_draft(st: DecodeState, g: int) -> BeamDraft:
         hist = torch.cat([hist[parent], tok[:, None]], dim=1)
         hist_lq = torch.cat([hist_lq[parent], lq_x[:, None]], dim=1)
         if s < g - 1:
-            draft.cache.reorder_cache(parent)
+            draft.cache.reorder(parent)
             tokens = tok[:, None]
     best = beam_scores.argmax()
-    draft.cache.batch_select_indices(parent.index_select(0, best.view(1)))
+    draft.cache.select_rows(parent.index_select(0, best.view(1)))
     return BeamDraft(tokens=hist, token_logq=hist_lq, scores=beam_scores, best=best)

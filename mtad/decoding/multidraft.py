@@ -10,8 +10,8 @@ Two layouts for the one target forward (:func:`layout`):
   m=8 670 / 596, m=2 414 / 444. The tree feeds fewer tokens whenever drafts share a prefix (beams
   nearly always do) and never copies the cache m times; rows win only for m=2 without sharing.
 - ``rows``, the fallback: one batch row per candidate, the target's cache fanned out with
-  ``DynamicCache.batch_repeat_interleave`` and reduced to the kept row with ``batch_select_indices``.
-  It needs nothing but a standard ``DynamicCache``, so it runs on any architecture and any attention
+  ``KVCache.fan_out`` and reduced to the kept row with ``KVCache.keep_row``.
+  It needs nothing but a standard cache, so it runs on any architecture and any attention
   kernel (flash-attention ignores custom 4-D masks), and with one candidate it is exactly the
   single-draft forward (so MTAD-all-beams with W = 1 is MTAD token for token).
 Both are tested to give a cache equal to a full recompute on Llama, OPT and Qwen2.
@@ -39,15 +39,12 @@ Rule = Callable[[torch.Tensor, torch.Tensor, list[int], torch.Generator], tuple[
 
 def fan_out(lm: CachedLM, rows: int) -> None:
     """Repeat the cache's single row ``rows`` times (nothing to do while it is still empty)."""
-    if rows > 1 and lm.length:
-        lm.cache.batch_repeat_interleave(rows)
+    lm.cache.fan_out(rows)
 
 
 def keep_row(lm: CachedLM, row: int) -> None:
     """Reduce a fanned-out cache to one of its rows."""
-    keys = lm.cache.layers[0].keys if lm.length else None
-    if keys is not None and keys.shape[0] > 1:
-        lm.cache.batch_select_indices(torch.tensor([row], device=keys.device))
+    lm.cache.keep_row(row)
 
 
 @dataclass

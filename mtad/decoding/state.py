@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 
+from mtad.decoding.kv import KVCache
 from mtad.events import Step
 from mtad.pair import ModelPair
 from mtad.sampling import log_probs, make_generator
@@ -21,7 +21,7 @@ class CachedLM:
     def __init__(self, model: torch.nn.Module, vocab: int) -> None:
         self.model = model
         self.vocab = vocab
-        self.cache = DynamicCache(config=model.config)
+        self.cache = KVCache(model.config)
         self._keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         # a shortlist draft computes logits for some tokens only (the rest are -inf): see feed
         self.columns: torch.Tensor | None = getattr(model, "columns", None)
@@ -29,7 +29,7 @@ class CachedLM:
     @property
     def length(self) -> int:
         """Tokens held in the cache."""
-        return self.cache.get_seq_length()
+        return self.cache.length
 
     @torch.inference_mode()
     def feed(self, tokens: torch.Tensor, keep: int = 1, columns: bool = False) -> torch.Tensor:
@@ -41,14 +41,12 @@ class CachedLM:
         short = columns and self.columns is not None
         if short:
             kwargs["shortlist_only"] = True
-        out = self.model(input_ids=tokens, past_key_values=self.cache, use_cache=True, **kwargs)
+        out = self.model(input_ids=tokens, past_key_values=self.cache.past_key_values, use_cache=True, **kwargs)
         return out.logits[:, -keep:].float() if short else out.logits[:, -keep:, : self.vocab].float()
 
     def rollback(self, length: int) -> None:
-        """Forget cached positions beyond ``length`` (transformers 5: crop takes minus the count)."""
-        extra = self.length - length
-        if extra > 0:
-            self.cache.crop(-extra)
+        """Forget cached positions beyond ``length``."""
+        self.cache.crop(length)
 
 
 class PhaseTimer:

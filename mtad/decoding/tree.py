@@ -85,7 +85,7 @@ def verify_tree(st: DecodeState, tree: TokenTree) -> torch.Tensor:
             input_ids=torch.cat([pending, nodes], dim=1),
             attention_mask=mask,
             position_ids=torch.tensor([positions], device=st.device),
-            past_key_values=lm.cache,
+            past_key_values=lm.cache.past_key_values,
             use_cache=True,
         )
     logits = out.logits[0, :, : lm.vocab].float()
@@ -96,8 +96,4 @@ def verify_tree(st: DecodeState, tree: TokenTree) -> torch.Tensor:
 def keep_path(lm: CachedLM, context: int, nodes: list[int]) -> None:
     """Drop every cached tree node but ``nodes`` (the kept path), so the cache is the context
     (its first ``context`` positions) followed by the kept tokens in order."""
-    keep = list(range(context)) + [context + i for i in nodes]
-    for layer in lm.cache.layers:
-        idx = torch.tensor(keep, device=layer.keys.device)
-        layer.keys = layer.keys.index_select(-2, idx)
-        layer.values = layer.values.index_select(-2, idx)
+    lm.cache.keep_positions(list(range(context)) + [context + i for i in nodes])
