@@ -18,6 +18,7 @@ interleaved, and keeps the fastest total (about 0.3 s); ``MTAD_CPU_LINEAR`` name
 
 from __future__ import annotations
 
+import copy
 import os
 import statistics
 import time
@@ -35,15 +36,34 @@ PROBE_ROWS = (1, 5)
 
 
 class OneDNNLinear(nn.Linear):
-    """A linear layer whose weight is prepacked once for oneDNN (CPU, fp32 or bf16, inference only).
+    """A linear layer whose weight is prepacked for oneDNN (CPU, fp32 or bf16, inference only).
 
     ``weight`` and ``bias`` stay the original parameters (a tied head stays tied, ``state_dict`` is
-    unchanged); the forward reads only the packed copy, made when the layer is built."""
+    unchanged); the forward reads only the packed copy, made when the layer is built and remade if
+    the weight moves or changes dtype (``.to()``, a deep copy)."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
         self.weight, self.bias = linear.weight, linear.bias
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+        self._packed: tuple[tuple, torch.Tensor] | None = None
+        self.packed()
+
+    def packed(self) -> torch.Tensor:
+        """The weight prepacked for oneDNN, made once per weight tensor."""
+        made_from = (self.weight.data_ptr(), self.weight.dtype)
+        if self._packed is None or self._packed[0] != made_from:
+            self._packed = (made_from, torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None))
+        return self._packed[1]
+
+    def __deepcopy__(self, memo: dict) -> OneDNNLinear:
+        """A copy with its own parameters (shared ones stay shared through ``memo``) and its own packing:
+        a packed tensor has no storage to copy."""
+        plain = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+        plain.weight = copy.deepcopy(self.weight, memo)
+        plain.bias = copy.deepcopy(self.bias, memo)
+        new = OneDNNLinear(plain)
+        memo[id(self)] = new
+        return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.requires_grad or x.dtype != self.weight.dtype or x.device.type != "cpu":
@@ -51,7 +71,7 @@ class OneDNNLinear(nn.Linear):
         flat = x.reshape(-1, self.in_features)
         if not flat.is_contiguous():
             flat = flat.contiguous()
-        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed(), self.bias, "none", [], "")
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
@@ -97,15 +117,24 @@ def probe(weights: list[torch.Tensor], kernels: tuple[str, ...], rows: tuple[int
 
 
 def probe_weights(model: nn.Module) -> list[torch.Tensor]:
-    """The weights of the model's first decoder layer (every shape a layer multiplies by), a sample
-    of what a forward streams."""
-    linears = [m for m in model.modules() if type(m) in (nn.Linear, StationaryLinear, OneDNNLinear)]
+    """One weight of each shape the model's layers multiply by (a decoder layer's), in the model's
+    dtype: a sample of what a forward streams. An int8 layer counts with its dequantised matrix,
+    which is what its several-row products multiply by."""
+    from mtad.shortlist_draft import Int8Linear
+
+    dtype = next(model.parameters()).dtype
     seen, out = set(), []
-    for m in linears:
-        shape = tuple(m.weight.shape)
-        if shape not in seen and m.weight.numel() < 16_000_000:  # not the vocabulary head: too slow to probe
+    for m in model.modules():
+        if type(m) in (nn.Linear, StationaryLinear, OneDNNLinear):
+            weight = m.weight
+        elif isinstance(m, Int8Linear):
+            weight = m.qweight
+        else:
+            continue
+        shape = tuple(weight.shape)
+        if shape not in seen and weight.numel() < 16_000_000:  # not the vocabulary head: too slow to probe
             seen.add(shape)
-            out.append(m.weight.detach())
+            out.append(m.dense(dtype) if isinstance(m, Int8Linear) else weight.detach())
     return out
 
 
@@ -130,7 +159,13 @@ def choose(model: nn.Module) -> str:
 
 def use_linear_kernel(model: nn.Module, kernel: str) -> int:
     """Put ``kernel``'s layer in place of every plain ``nn.Linear`` (or one a previous choice made) in
-    ``model``; returns how many were replaced. Other linear modules (int8 layers) are left alone."""
+    ``model``, and have int8 layers multiply their dequantised matrix with it; returns how many layers
+    were replaced."""
+    from mtad.shortlist_draft import Int8Linear
+
+    for m in model.modules():
+        if isinstance(m, Int8Linear):
+            m.kernel = "onednn" if kernel == "onednn" else "stationary"
 
     def make(child: nn.Linear) -> nn.Module:
         if type(child) not in (nn.Linear, StationaryLinear, OneDNNLinear):

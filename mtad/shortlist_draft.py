@@ -74,7 +74,8 @@ class Int8Linear(nn.Module):
     prefill), fp32 and other devices multiply by the dequantised matrix, kept after its first use: the
     int8 kernel is slower than the dense bf16 product from two rows on (MTAD's 8 beams: 8.8 against
     7.7 ms a SmolLM2 draft forward), and with fp32 activations at any size (4.0 against 1.4 ms for the
-    head's 8,192 rows)."""
+    head's 8,192 rows). That dense product runs the kernel :mod:`mtad.kernels` chose for the model
+    (``kernel``: oneDNN with the dense matrix prepacked, else the weight-first product)."""
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
@@ -82,6 +83,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8))
         self.register_buffer("scale", torch.ones(out_features, dtype=torch.float32))
         self._kept: dict[str, tuple[tuple, torch.Tensor]] = {}  # name -> (what it was made from, tensor)
+        self.kernel = "stationary"  # how the dequantised matrix is multiplied: mtad.kernels sets it at load
 
     @classmethod
     def quantize(cls, linear: nn.Linear) -> Int8Linear:
@@ -109,6 +111,11 @@ class Int8Linear(nn.Module):
                 self.qweight = self.qweight.clone()
             scale = self._keep("scale", x.dtype, lambda: self.scale.to(x.dtype))
             out = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, scale)
+        elif self.kernel == "onednn" and x.device.type == "cpu" and not x.requires_grad:
+            packed = self._keep(
+                "onednn", x.dtype, lambda: torch.ops.mkldnn._reorder_linear_weight(self.dense(x.dtype), None)
+            )
+            out = torch.ops.mkldnn._linear_pointwise(flat.contiguous(), packed, None, "none", [], "")
         else:
             out = stationary_linear(flat, self.dense(x.dtype))
         return out.reshape(*x.shape[:-1], self.out_features)
@@ -209,7 +216,11 @@ class ShortlistForCausalLM(LlamaPreTrainedModel, GenerationMixin):
         if self.config.int8_layers and not hidden.requires_grad:
             made_from = _stamp(weight)
             if self._int8_head is None or self._int8_head[0] != made_from:
-                self._int8_head = (made_from, Int8Linear.from_weight(weight))
+                head = Int8Linear.from_weight(weight)
+                head.kernel = next(
+                    (m.kernel for m in self.model.layers.modules() if isinstance(m, Int8Linear)), head.kernel
+                )
+                self._int8_head = (made_from, head)
             return self._int8_head[1](hidden)
         return stationary_linear(hidden, weight)
 

@@ -128,3 +128,20 @@ def test_greedy_speculative_equals_greedy_ar_on_onednn(monkeypatch: pytest.Monke
         run = generate(pair, prompt, Settings(method=method, greedy=True, max_new_tokens=40))
         assert run.new_ids == ar
         assert sum(s.accepted for s in run.steps) > 0
+
+
+@needs_onednn
+def test_a_prepacked_layer_survives_a_deep_copy_and_a_dtype_change() -> None:
+    import copy
+
+    lin = OneDNNLinear(nn.Linear(32, 16))
+    x = torch.randn(4, 32)
+    with torch.inference_mode():
+        want = F.linear(x, lin.weight, lin.bias)
+        twin = copy.deepcopy(lin)
+        assert twin.weight is not lin.weight
+        torch.testing.assert_close(twin(x), want, rtol=1e-5, atol=1e-5)
+        half = copy.deepcopy(lin).to(torch.bfloat16)
+        got = half(x.bfloat16())
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=3e-2)

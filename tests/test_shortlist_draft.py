@@ -229,3 +229,27 @@ def test_an_int8_draft_keeps_caches_and_greedy_exact(micro_int8_pair: ModelPair)
         cached = st_draft(input_ids=torch.tensor([ids[-1:]]), past_key_values=cache, use_cache=True).logits[0, -1]
         full = st_draft(input_ids=torch.tensor([ids])).logits[0, -1]
     torch.testing.assert_close(cached, full, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs PyTorch built with oneDNN")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_layers_multiply_with_the_kernel_chosen_for_the_model(dtype: torch.dtype) -> None:
+    """Under oneDNN an int8 layer's several-row product multiplies the prepacked dequantised matrix: the
+    same product as the plain one, and the kernel choice probes that matrix's shape."""
+    from mtad.kernels import probe_weights, use_linear_kernel
+
+    gen = torch.Generator().manual_seed(1)
+    layer = Int8Linear.from_weight(torch.randn(80, 96, generator=gen))
+    model = torch.nn.Sequential(layer, torch.nn.Linear(80, 8)).to(dtype)
+    x = torch.randn(3, 96, generator=gen).to(dtype)
+    with torch.inference_mode():
+        want = layer(x)
+        use_linear_kernel(model, "onednn")
+        assert layer.kernel == "onednn"
+        got = layer(x)
+    assert "onednn" in {name for name, _ in layer._kept.items()}
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    assert {tuple(w.shape) for w in probe_weights(model)} == {(80, 96), (8, 80)}
+    use_linear_kernel(model, "mkl")
+    assert layer.kernel == "stationary"
