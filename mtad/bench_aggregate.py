@@ -11,7 +11,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import fields
 
-from mtad.metrics import Metrics, pool
+from mtad.metrics import Metrics, acceptance_by_position, pool
 
 PER_RUN = tuple(f.name for f in fields(Metrics) if f.name != "energy_note")
 """Every numeric field of ``Metrics``: each is kept per row as mean and sample std over the runs."""
@@ -23,6 +23,20 @@ def mean_std(values: Sequence[float | None]) -> tuple[float | None, float | None
     if not vals:
         return None, None, 0
     return statistics.fmean(vals), statistics.stdev(vals) if len(vals) > 1 else None, len(vals)
+
+
+def pooled_curve(records: Sequence[dict]) -> list[float | None]:
+    """The acceptance curve of a row: every run's per-position counts added up, then divided."""
+    reached: list[int] = []
+    kept: list[int] = []
+    for r in records:
+        for i, (n, k) in enumerate(zip(r.get("position_reached", []), r.get("position_kept", []), strict=True)):
+            if i == len(reached):
+                reached.append(0)
+                kept.append(0)
+            reached[i] += n
+            kept[i] += k
+    return acceptance_by_position(reached, kept)
 
 
 def finished_prompts(records: Sequence[dict], runs_per_prompt: int) -> set[int]:
@@ -66,6 +80,7 @@ def aggregate(
         notes = sorted({r["energy_note"] for r in rs if r["energy_note"]})
         row["energy_source"] = first.get("energy_source")
         row["energy_note"] = "; ".join(notes) if notes else None
+        row["acceptance_by_position"] = pooled_curve(rs)
         row["budget_stopped"] = label in budget_stopped
         row["error"] = failures.get(label)
         rows.append(row)

@@ -90,6 +90,11 @@ def render_table(aggregates: Sequence[dict], energy_note: str | None = None) -> 
     out = [text_table(header, [[cell(r) for _, cell in TABLE_COLUMNS] for r in aggregates], LEFT)]
     common = aggregates[0]["common_prompts"] if aggregates else 0
     out.append(LEGEND.format(common=common))
+    curves = [(r["case"], r.get("acceptance_by_position") or []) for r in aggregates]
+    if any(c for _, c in curves):
+        out.append("acceptance by draft position (token i kept, given tokens 1..i-1 were):")
+        width = max(len(case) for case, c in curves if c)
+        out.extend(f"  {case.ljust(width)}  {'  '.join(fmt(v) for v in c)}" for case, c in curves if c)
     for r in aggregates:
         if r["error"]:
             out.append(f"{r['case']} failed after {r['runs']} run(s): {r['error']}")

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from mtad.decoding import DECODERS, decode
 from mtad.energy import EnergyMeter, EnergyReading
 from mtad.events import Step
-from mtad.metrics import summarize
+from mtad.metrics import position_counts, summarize
 from mtad.pair import ModelPair
 from mtad.prompts import Prompt
 from mtad.settings import Settings
@@ -107,6 +107,7 @@ def make_record(
     """One run's flat record: what ran, then every field of ``summarize`` exactly as it returned it, then
     its energy window (every measured run has one, even where energy cannot be read)."""
     metrics = summarize(steps, joules=reading.joules, energy_note=reading.note)
+    reached, kept = position_counts(steps)
     s = case.settings
     return {
         "case": case.label,
@@ -126,6 +127,8 @@ def make_record(
         **metrics.to_dict(),
         "energy_source": reading.source,
         "energy_window_seconds": reading.seconds,
+        "position_reached": reached,
+        "position_kept": kept,
         "text": text,
         "new_ids": [t for st in steps for t in st.appended_ids],
     }

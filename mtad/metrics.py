@@ -99,6 +99,28 @@ def summarize(steps: Sequence[Step], joules: float | None = None, energy_note: s
     )
 
 
+def position_counts(steps: Sequence[Step]) -> tuple[list[int], list[int]]:
+    """Per draft position i (1, 2, …): how many iterations drafted a token there with every token before
+    it kept (``reached``), and how many of those kept it too (``kept``). Their ratio is the acceptance
+    curve: the chance that the i-th draft token is kept given the ones before it were; a run's counts
+    add up over runs."""
+    reached: list[int] = []
+    kept: list[int] = []
+    for s in steps:
+        for i in range(min(len(s.draft_ids), s.accepted + 1)):
+            if i == len(reached):
+                reached.append(0)
+                kept.append(0)
+            reached[i] += 1
+            kept[i] += i < s.accepted
+    return reached, kept
+
+
+def acceptance_by_position(reached: Sequence[int], kept: Sequence[int]) -> list[float | None]:
+    """The acceptance curve from :func:`position_counts` (summed over any number of runs)."""
+    return [k / r if r else None for r, k in zip(reached, kept, strict=True)]
+
+
 def repeated_ngrams(ids: Sequence[int], n: int = REPEAT_N) -> tuple[int, int]:
     """How many n-grams a token sequence has, and how many of them occurred earlier in it (overlaps
     count): ``repeated / total`` is the share of the text that repeats itself."""

@@ -903,6 +903,8 @@ def test_a_run_record_holds_what_ran_its_metrics_and_its_energy_window(tiny_pair
     ids = tiny_pair.encode("fgh a")
     for repeat, (rec, steps) in enumerate(zip(res.records, res.steps, strict=True)):
         replay = list(decode(tiny_pair, ids, settings.with_(method="sd", gamma=2, beams=2, tau=0.1, seed=3)))
+        from mtad.metrics import position_counts
+
         assert [s["appended_ids"] for s in steps] == [s.appended_ids for s in replay]  # the kept trace is the run's
         assert rec["new_ids"] == [t for s in steps for t in s["appended_ids"]]
         metrics = {k: rec[k] for k in Metrics.__dataclass_fields__}
@@ -915,6 +917,7 @@ def test_a_run_record_holds_what_ran_its_metrics_and_its_energy_window(tiny_pair
             "greedy": False, "temperature": 0.8, "top_k": 7, "top_p": 0.95, "max_new_tokens": 5,
             "seed": 3, "repeat": repeat, "prompt_index": 0, "prompt_id": "q0", "prompt_category": "c0",
             "prompt_tokens": len(ids), "energy_source": "fake-counter", "energy_window_seconds": 0.01,
+            "position_reached": list(position_counts(replay)[0]), "position_kept": list(position_counts(replay)[1]),
             "text": tiny_pair.decode(rec["new_ids"]), "new_ids": rec["new_ids"],
         }  # fmt: skip
         assert list(rec)[: list(rec).index("prompt_tokens") + 1] == list(what_ran)[:17]  # what ran comes first
@@ -1010,3 +1013,22 @@ def test_run_bench_by_default_shows_progress_and_keeps_no_steps(tiny_pair, capsy
     res = bench_run.run_bench(tiny_pair, cases, [Prompt("q", "", "abc")], [tiny_pair.encode("abc")], [0], 1, 0)
     assert len(res.records) == 1 and res.steps == []
     assert "1/1" in capsys.readouterr().err
+
+
+def test_a_row_pools_its_runs_acceptance_curve_and_the_table_prints_it():
+    from mtad.bench_aggregate import aggregate
+    from mtad.bench_report import render_table
+
+    records = [
+        _record("sd", 0, position_reached=[4, 2], position_kept=[2, 1]),
+        _record("sd", 1, position_reached=[2, 1, 1], position_kept=[1, 1, 0]),
+        _record("ar", 0),
+    ]
+    rows = {r["case"]: r for r in aggregate(records)}
+    assert rows["sd"]["acceptance_by_position"] == [3 / 6, 2 / 3, 0.0]  # counts added, then divided
+    assert rows["ar"]["acceptance_by_position"] == []
+    for r in rows.values():
+        r.update(error=None, budget_stopped=False)
+    lines = render_table(list(rows.values())).splitlines()
+    i = lines.index("acceptance by draft position (token i kept, given tokens 1..i-1 were):")
+    assert lines[i + 1] == "  sd  0.50  0.67  0.00" and len(lines) == i + 2

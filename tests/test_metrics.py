@@ -166,3 +166,18 @@ def test_a_record_without_repetition_fields_still_loads():
     for k in ("ngrams", "repeated_ngrams", "repetition"):
         d.pop(k)
     assert Metrics.from_dict(d).repetition is None
+
+
+def test_acceptance_by_position_counts_each_draft_position_reached():
+    from mtad.metrics import acceptance_by_position, position_counts
+
+    steps = [
+        Step(0, "sd", draft_ids=[1, 2, 3, 4], accepted=4),  # all 4 kept
+        Step(1, "sd", draft_ids=[1, 2, 3, 4], accepted=1),  # 1 kept, the 2nd rejected (3, 4 never judged)
+        Step(2, "sd", draft_ids=[1, 2], accepted=0),  # a short draft at the budget, the 1st rejected
+        Step(3, "ar"),  # nothing drafted
+    ]
+    reached, kept = position_counts(steps)
+    assert reached == [3, 2, 1, 1] and kept == [2, 1, 1, 1]
+    assert acceptance_by_position(reached, kept) == [2 / 3, 0.5, 1.0, 1.0]
+    assert position_counts([]) == ([], []) and acceptance_by_position([0], [0]) == [None]
