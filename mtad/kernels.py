@@ -184,3 +184,60 @@ def _rebuilt(cls: type[nn.Linear], child: nn.Linear) -> nn.Linear:
     new = cls(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
     new.weight, new.bias = child.weight, child.bias
     return new
+
+
+@torch.inference_mode()
+def forward_ms(model: nn.Module, tokens: int, context: int = 100, reps: int = 7) -> float:
+    """Median milliseconds of one forward of ``tokens`` new tokens after a ``context``-token cache."""
+    from transformers import DynamicCache
+
+    vocab = model.config.vocab_size
+    times = []
+    for _ in range(reps):
+        cache = DynamicCache(config=model.config)
+        model(input_ids=torch.randint(0, vocab, (1, context)), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        t0 = time.perf_counter()
+        model(
+            input_ids=torch.randint(0, vocab, (1, tokens)), past_key_values=cache, use_cache=True, logits_to_keep=tokens
+        )
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1000
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m mtad.kernels``: what each linear kernel costs here for a pair's target, and which one a
+    load would choose: the probe's figures, then whole forwards of 1 and 5 tokens with each kernel."""
+    import argparse
+
+    from mtad.pair import load_pair, resolve_dtype
+
+    ap = argparse.ArgumentParser(prog="python -m mtad.kernels", description=main.__doc__.splitlines()[0])
+    ap.add_argument("--pair", default="embedded")
+    ap.add_argument("--dtype", default="auto")
+    args = ap.parse_args(argv)
+    os.environ["MTAD_CPU_LINEAR"] = "mkl"  # load plain, then try each kernel on the same weights
+    pair = load_pair(args.pair, device="cpu", dtype=args.dtype)
+    os.environ.pop("MTAD_CPU_LINEAR")
+    target = pair.target
+    dtype = resolve_dtype(args.dtype, pair.device)
+    allowed = candidates(dtype)
+    print(
+        f"{args.pair} target, {str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} thread(s), "
+        f"PyTorch dispatches to {torch.backends.cpu.get_cpu_capability()}"
+    )
+    timed = probe(probe_weights(target), allowed)
+    print(
+        f"{'kernel':12s} {'probe 1 row':>12s} {'probe 5 rows':>13s} {'forward 1 tok':>14s} {'forward 5 tok':>14s} {'5 / 1':>6s}"
+    )
+    for k in allowed:
+        use_linear_kernel(target, k)
+        one, five = forward_ms(target, 1), forward_ms(target, 5)
+        print(
+            f"{k:12s} {timed[k][1] * 1e6:10.0f}µs {timed[k][5] * 1e6:11.0f}µs {one:11.1f} ms {five:11.1f} ms {five / one:6.2f}"
+        )
+    print(f"a load would choose: {min(allowed, key=lambda k: sum(timed[k].values()))}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
