@@ -13,7 +13,7 @@ speed. Which one that is depends on the CPU and the dtype, and no flag predicts 
   AVX2 EPYC from 23 to 11 ms.
 
 At load, :func:`choose` times every candidate on the model's own weight shapes for 1 and 5 rows,
-interleaved, and keeps the fastest total (about 0.3 s); ``MTAD_CPU_LINEAR`` names one instead.
+interleaved, and keeps the fastest total (well under a second); ``MTAD_CPU_LINEAR`` names one instead.
 """
 
 from __future__ import annotations
@@ -100,12 +100,13 @@ def product(kernel: str, weight: torch.Tensor) -> Callable[[torch.Tensor], torch
 
 @torch.inference_mode()
 def probe(weights: list[torch.Tensor], kernels: tuple[str, ...], rows: tuple[int, ...] = PROBE_ROWS) -> dict:
-    """Median seconds each kernel takes for ``weights``' products at each row count, summed over the
-    weights: rounds of every kernel in turn, so a busy machine slows them alike."""
+    """The fastest of several rounds, in seconds, each kernel takes for ``weights``' products at each row
+    count, summed over the weights: rounds of every kernel in turn, so a busy machine slows them alike,
+    and the minimum, the round least disturbed by other work."""
     fns = {k: [product(k, w) for w in weights] for k in kernels}
     xs = {r: [torch.randn(r, w.shape[1], dtype=w.dtype) for w in weights] for r in rows}
     times: dict[str, dict[int, list[float]]] = {k: {r: [] for r in rows} for k in kernels}
-    for round_ in range(6):
+    for round_ in range(8):
         for k in kernels:
             for r in rows:
                 t0 = time.perf_counter()
@@ -113,7 +114,7 @@ def probe(weights: list[torch.Tensor], kernels: tuple[str, ...], rows: tuple[int
                     fn(x)
                 if round_:  # the first round warms the kernels up
                     times[k][r].append(time.perf_counter() - t0)
-    return {k: {r: statistics.median(ts) for r, ts in by_rows.items()} for k, by_rows in times.items()}
+    return {k: {r: min(ts) for r, ts in by_rows.items()} for k, by_rows in times.items()}
 
 
 def probe_weights(model: nn.Module) -> list[torch.Tensor]:
