@@ -74,7 +74,7 @@ def label(logits: torch.Tensor) -> dict[str, torch.Tensor]:
     their raw log-probabilities (forward KL) and their warped probabilities (TV; the warped law's
     support, 20 tokens and ties, lies inside the top 32)."""
     lp = torch.log_softmax(logits.float(), dim=-1)
-    vals, idx = lp.topk(TOPK, dim=-1)
+    vals, idx = lp.topk(min(TOPK, lp.shape[-1]), dim=-1)
     pw = warped_probs(logits).gather(-1, idx)
     return {"idx": idx.int(), "lp": vals.half(), "pw": pw.half()}
 
@@ -82,8 +82,9 @@ def label(logits: torch.Tensor) -> dict[str, torch.Tensor]:
 def draft_terms(
     logits: torch.Tensor, row_of: torch.Tensor, idx: torch.Tensor, lp: torch.Tensor, pw: torch.Tensor
 ) -> dict[str, torch.Tensor]:
-    """Per-position acceptance, forward KL (cross-entropy to the target's raw top-32 law renormalised
-    over the draft's shortlist) and top-1 agreement, from the draft's shortlist logits [n, K].
+    """Per-position acceptance, forward KL and cross-entropy from the target's raw top-32 law
+    (renormalised over the draft's shortlist) to the draft's, and top-1 agreement, from the draft's
+    shortlist logits [n, K].
 
     A target token off the shortlist has q = 0: it counts against acceptance and agreement, and is
     left out of the KL's renormalised target (the draft cannot put mass there)."""
@@ -95,9 +96,11 @@ def draft_terms(
     accept = acceptance(pw.float(), q_w)
     teacher = torch.softmax(lp.float(), dim=-1) * on
     teacher = teacher / teacher.sum(-1, keepdim=True).clamp_min(1e-9)
-    kl = -(teacher * torch.log_softmax(logits.float(), dim=-1).gather(-1, safe)).sum(-1)
+    logq = torch.log_softmax(logits.float(), dim=-1).gather(-1, safe)
+    ce = -(teacher * logq).sum(-1)
+    kl = torch.where(teacher > 0, teacher * (teacher.clamp_min(1e-30).log() - logq), 0.0).sum(-1)
     agree = (logits.argmax(-1) == safe[:, 0]) & on[:, 0]
-    return {"accept": accept, "kl": kl, "agree": agree.float()}
+    return {"accept": accept, "kl": kl, "ce": ce, "agree": agree.float()}
 
 
 def loss_of(terms: dict[str, torch.Tensor], kl_weight: float) -> torch.Tensor:
@@ -274,10 +277,10 @@ def batch_terms(draft: Any, samples: list[dict]) -> dict[str, torch.Tensor]:
 
 @torch.inference_mode()
 def evaluate(draft: Any, heldout: list[dict], chunk: int = 8) -> dict[str, float]:
-    """Held-out acceptance, top-1 agreement and forward KL, pooled over every position."""
+    """Held-out acceptance, top-1 agreement, forward KL and cross-entropy, pooled over every position."""
     was_training = draft.training
     draft.eval()
-    sums = {"accept": 0.0, "agree": 0.0, "kl": 0.0}
+    sums = {"accept": 0.0, "agree": 0.0, "kl": 0.0, "ce": 0.0}
     n = 0
     for i in range(0, len(heldout), chunk):
         terms = batch_terms(draft, heldout[i : i + chunk])
