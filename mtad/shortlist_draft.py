@@ -17,6 +17,7 @@ without ``trust_remote_code``: the code is this library's, not the checkpoint's.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -84,6 +85,17 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale", torch.ones(out_features, dtype=torch.float32))
         self._kept: dict[str, tuple[tuple, torch.Tensor]] = {}  # name -> (what it was made from, tensor)
         self.kernel = "stationary"  # how the dequantised matrix is multiplied: mtad.kernels sets it at load
+
+    def __deepcopy__(self, memo: dict) -> Int8Linear:
+        """A copy of the weights and the kernel choice, without the products kept from them: they are
+        remade on first use, and a oneDNN-packed one has no storage to copy."""
+        new = Int8Linear(self.in_features, self.out_features).to(self.qweight.device)
+        new.qweight = copy.deepcopy(self.qweight, memo)
+        new.scale = copy.deepcopy(self.scale, memo)
+        new.kernel = self.kernel
+        new.train(self.training)
+        memo[id(self)] = new
+        return new
 
     @classmethod
     def quantize(cls, linear: nn.Linear) -> Int8Linear:

@@ -253,3 +253,17 @@ def test_int8_layers_multiply_with_the_kernel_chosen_for_the_model(dtype: torch.
     assert {tuple(w.shape) for w in probe_weights(model)} == {(80, 96), (8, 80)}
     use_linear_kernel(model, "mkl")
     assert layer.kernel == "stationary"
+
+
+def test_an_int8_layer_deep_copies_after_keeping_a_packed_product() -> None:
+    import copy
+
+    layer = Int8Linear.from_weight(torch.randn(80, 96))
+    layer.kernel = "onednn" if torch.backends.mkldnn.is_available() else "stationary"
+    x = torch.randn(3, 96)
+    with torch.inference_mode():
+        want = layer(x)  # keeps its dense (and, under oneDNN, packed) product
+        twin = copy.deepcopy(layer)
+        assert twin.qweight is not layer.qweight and torch.equal(twin.qweight, layer.qweight)
+        assert twin.kernel == layer.kernel and not twin._kept
+        torch.testing.assert_close(twin(x), want)
