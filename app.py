@@ -30,6 +30,7 @@ from mtad.ui.inputs import (
 )
 from mtad.ui.record import LABELS
 from mtad.ui.tokens import legend_html
+from mtad.ui.waiting import LINE
 
 CSS = (Path(__file__).resolve().parent / "assets" / "app.css").read_text()
 THEME = gr.themes.Soft(primary_hue="blue", neutral_hue="slate")
@@ -124,7 +125,7 @@ def build() -> gr.Blocks:
         pair.change(h.on_pair_change, [pair, prompt], [pair_info, examples, prompt], **private)
         examples.input(h.on_example, examples, prompt, **private)
         with_ar.change(h.toggle_ar, with_ar, lane_ar, **private)
-        timer.tick(h.waiting_tick, [left, right], [status, lane_1, lane_2, timer], **private)
+        timer.tick(h.waiting_tick, [left, right], [message, status, lane_1, lane_2, timer], **private)
         for picker in (left, right):
             picker.change(h.on_race_change, [record, left, right], [lane_1, lane_2], **private)
         run_inputs = [prompt, pair, tau, beams, gamma, max_new, greedy, temperature, top_k, top_p, seed, with_ar]
@@ -137,7 +138,7 @@ def build() -> gr.Blocks:
         go = run_btn.click(h.arm, [left, right], [message, status, lane_1, lane_2, timer], **private)
         go = go.then(h.run_page, run_inputs, run_outputs, api_visibility="private", **run_opts)
         go.then(h.verify_reset, [record, v_lane], [v_lane, v_iter, v_tau, v_html, v_plot], **private)
-        stop_btn.click(h.stop, None, message, **private)
+        stop_btn.click(h.stop, [left, right], [message, status, lane_1, lane_2, timer], **private)
         replay_outputs = [message, status, *lanes, cards, tokens_plot, accept_plot]
         replay_btn.click(h.replay_page, record, replay_outputs, api_visibility="private", show_progress="hidden")
         # the public API: the same work, ending in an error (with the page's words) when refused
@@ -149,6 +150,7 @@ def build() -> gr.Blocks:
             widget.change(h.verify_view, [record, v_lane, v_iter, v_tau], [v_html, v_plot], **private)
         demo.unload(h.unload)
     demo.queue(max_size=QUEUE_SIZE, default_concurrency_limit=1)
+    LINE.attach(demo)
     return demo
 
 

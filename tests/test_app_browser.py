@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 sync_api = pytest.importorskip("playwright.sync_api")
+gradio_client = pytest.importorskip("gradio_client")
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 if not Path(CHROMIUM).exists():
     pytest.skip("Debian's chromium is not installed", allow_module_level=True)
@@ -302,7 +303,17 @@ def test_stop_during_a_long_run_ends_it_within_one_iteration_and_says_so(page, m
     assert not runner.DEVICE_LOCK.locked()
 
 
-def test_a_waiting_visitor_sees_their_place_in_the_queue(browser, server, page, monkeypatch):
+def open_page(browser, server):
+    """A second visitor's page, ready to press Run."""
+    ctx = browser.new_context(viewport={"width": 1400, "height": 1000})
+    pg = ctx.new_page()
+    pg.goto(server["url"])
+    pg.wait_for_selector("#run-btn", timeout=60_000)
+    return ctx, pg
+
+
+def start_endless_run(page, monkeypatch) -> None:
+    """The first visitor's run holds the device until Stop (its decoder never reaches EOS)."""
     from mtad.ui import runner
 
     monkeypatch.setattr(runner, "decode", endless_decode)
@@ -311,17 +322,36 @@ def test_a_waiting_visitor_sees_their_place_in_the_queue(browser, server, page, 
     page.locator("#run-btn").click()
     page.wait_for_selector("#lane-left .tok", timeout=60_000)
 
-    ctx = browser.new_context(viewport={"width": 1400, "height": 1000})
-    second = ctx.new_page()
-    second.goto(server["url"])
-    second.wait_for_selector("#run-btn", timeout=60_000)
+
+def queue_api_job(server):
+    """An API client's ``/run`` (8 tokens), queued behind the running one."""
+    from test_app_client import args
+
+    client = gradio_client.Client(server["url"], verbose=False)
+    job = client.submit(*args(max_new=8), api_name="/run")
+    queue = server["app"].demo._queue
+    deadline = time.time() + 30
+    while time.time() < deadline and not queue.event_queue_per_concurrency_id["device"].queue:
+        time.sleep(0.05)
+    assert queue.event_queue_per_concurrency_id["device"].queue, "the API job never reached the queue"
+    return job
+
+
+def test_a_waiting_visitor_sees_their_place_in_the_queue(browser, server, page, monkeypatch):
+    """Positions count every queued job, an API client's too; Stop while waiting clears the place at once."""
+    start_endless_run(page, monkeypatch)
+    api_job = queue_api_job(server)  # number 2 in line, from the API
+
+    ctx, second = open_page(browser, server)
     set_number(second, "max-new", 8)
     second.locator("#prompt textarea").fill("abc")
     second.locator("#run-btn").click()
-    second.wait_for_selector('#lane-left .mtad-lane[data-state="line"]', timeout=30_000)
+    second.wait_for_function(
+        "document.querySelector('#lane-left').innerText.includes('you are number 3')", timeout=30_000
+    )
     lane, status = second.locator("#lane-left"), second.locator("#status")
-    assert "you are number 2 of 2 (1 run ahead of you" in lane.inner_text()
-    assert "you are number 2 of 2" in status.inner_text()
+    assert "you are number 3 of 3 (2 runs ahead of you, 1 of them from the API" in lane.inner_text()
+    assert "you are number 3 of 3" in status.inner_text()
     assert status.bounding_box()["height"] > 10 and status.is_visible()  # seen, not just in the DOM
     assert not re.search(r"\d/\d|ETA|estimat", status.inner_text())  # no made-up wait estimate
     before = status.inner_text()
@@ -329,13 +359,60 @@ def test_a_waiting_visitor_sees_their_place_in_the_queue(browser, server, page, 
     assert "has been going for" in status.inner_text()  # the ticker keeps it current
     second.screenshot(path=str(OUT / "app_queued.png"))
 
-    # the first run ends (a background tab paints no frames, so Playwright's click would wait forever
-    # for it to settle: send the click event itself); the second run starts by itself
-    monkeypatch.undo()  # the waiting run decodes for real (the running one keeps its endless decoder)
-    page.locator("#stop-btn").dispatch_event("click")
-    second.wait_for_selector(DONE.format("right"), timeout=120_000)
-    assert "number 2" not in second.locator("#status").inner_text()
+    # a third visitor counts the second one; once the second stops waiting, it no longer does
+    ctx3, third = open_page(browser, server)
+    set_number(third, "max-new", 8)
+    third.locator("#prompt textarea").fill("abc")
+    third.locator("#run-btn").click()
+    third.wait_for_function("document.querySelector('#status').innerText.includes('number 4 of 4')", timeout=30_000)
+
+    second.locator("#stop-btn").click()
+    second.wait_for_function("document.querySelector('#status').innerText.includes('Stopped while waiting')")
+    second.wait_for_timeout(2500)  # the ticker had time to put a stale position back, if it still ran
+    assert "number" not in status.inner_text() and "number" not in lane.inner_text()
     assert second.locator('.mtad-lane[data-state="line"]').count() == 0
+    assert "Stopped while waiting in the queue" in second.locator("#message").inner_text()
+    second.screenshot(path=str(OUT / "app_stopped_waiting.png"))
+    third.wait_for_function("document.querySelector('#status').innerText.includes('number 3 of 3')", timeout=10_000)
+
+    # the first run ends (a background tab paints no frames, so Playwright's click would wait forever
+    # for it to settle: send the click event itself); the API job, then the third run start by themselves
+    monkeypatch.undo()  # the waiting runs decode for real (the running one keeps its endless decoder)
+    page.locator("#stop-btn").dispatch_event("click")
+    assert api_job.result(timeout=120)[-1]["lanes"]["mtad"]["state"] == "done"
+    third.wait_for_selector(DONE.format("right"), timeout=120_000)
+    assert "number" not in third.locator("#status").inner_text()
+    assert third.locator('.mtad-lane[data-state="line"]').count() == 0
+    assert second.locator("#lane-left .tok, #lane-right .tok").count() == 0  # stopped while waiting: never ran
+    ctx.close()
+    ctx3.close()
+
+
+def test_a_full_queue_says_so_and_leaves_nothing_waiting(browser, server, page, monkeypatch):
+    """Gradio refuses a job when its queue is full: the page says so, and no waiting notice stays behind."""
+    queue = server["app"].demo._queue
+    start_endless_run(page, monkeypatch)
+    monkeypatch.setattr(queue, "max_size", 1)
+    api_job = queue_api_job(server)  # the one place in line is taken
+
+    ctx, second = open_page(browser, server)
+    second.locator("#prompt textarea").fill("abc")
+    second.locator("#run-btn").click()
+    second.wait_for_function("document.querySelector('#message').innerText.includes('the queue is full')")
+    second.wait_for_timeout(5000)  # past the grace a Run has to reach the queue, and past Gradio's toast
+    status = second.locator("#status").inner_text()
+    lanes = second.locator("#lane-left").inner_text() + second.locator("#lane-right").inner_text()
+    assert "Not run: the queue is full (1 run waiting, the most this server keeps)" in status
+    assert "nothing is waiting for you" in status
+    for text in (status, lanes):
+        assert "starts by itself" not in text and "number" not in text
+    assert second.locator('.mtad-lane[data-state="line"]').count() == 0
+    assert "the queue is full" in second.locator("#message").inner_text()  # stays, unlike a toast
+    second.screenshot(path=str(OUT / "app_queue_full.png"))
+
+    monkeypatch.undo()
+    page.locator("#stop-btn").dispatch_event("click")
+    assert api_job.result(timeout=120)[-1]["lanes"]["mtad"]["state"] == "done"
     ctx.close()
 
 

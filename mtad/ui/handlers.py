@@ -21,7 +21,7 @@ from mtad.ui import availability, cards, figures, tokens, verify
 from mtad.ui.inputs import as_bool, example_prompts, parse_settings
 from mtad.ui.record import LABELS, LaneRecord, RunRecord
 from mtad.ui.runner import CANCELS, OOM_MESSAGE, PAIRS, free_device_memory, run_lanes
-from mtad.ui.waiting import LINE, place_text
+from mtad.ui.waiting import LINE, full_text, place_text
 
 log = logging.getLogger(__name__)
 RACERS = ("sd", "mtad", "mtad-tree", "bild", "spectr", "specinfer")
@@ -176,25 +176,45 @@ def shown_race(left: object, right: object) -> tuple[str, str]:
 
 
 def waiting_outputs(session: str, race: tuple[str, str] = DEFAULT_RACE) -> tuple | None:
-    """(status, lane, lane) for a session waiting in line, or None when it is not waiting."""
+    """(message, status, lane, lane, keep ticking) for a session that pressed Run and has not started:
+    its place in Gradio's queue, or, when its job never reached the queue (full), that it was not queued
+    and nothing waits; None when there is nothing to say (not waiting, or first in line)."""
     place = LINE.place(session)
-    if place is None or place.position <= 1:
+    if place is None:
         return None
     text = place_text(place)
+    if place.state == "refused":
+        LINE.leave(session)
+        lanes = [tokens.placeholder_html(m, "Not queued: the queue was full. Press Run to try again.") for m in race]
+        return message_html(text), f"Not run: {escape(text)}", *lanes, False
+    if place.position <= 1:
+        return gr.skip(), gr.skip(), gr.skip(), gr.skip(), True
     lanes = [tokens.placeholder_html(m, text, state="line") for m in race]
-    return (f"**{text}**", *lanes)
+    return gr.skip(), f"**{text}**", *lanes, True
+
+
+def full_outputs(session: str, race: tuple[str, str]) -> tuple | None:
+    """(message, status, lane, lane) when Gradio's queue is full, so a Run now would not be queued."""
+    jobs = LINE.jobs() if LINE.jobs is not None else None
+    if jobs is None or not jobs.full:
+        return None
+    text = full_text(jobs)
+    lanes = [tokens.placeholder_html(m, "Not queued: the queue was full. Press Run to try again.") for m in race]
+    return message_html(text), f"Not run: {escape(text)}", *lanes
 
 
 def arm(left: str, right: str, request: gr.Request) -> tuple:
     """Run pressed (before the run is queued): a fresh Stop flag, a place in line, the old message cleared,
-    and, when someone is ahead, the queue position at once with the ticker that keeps it current."""
+    and the ticker that shows the queue position while someone is ahead. A full queue is said at once (the
+    job Gradio then refuses leaves nothing waiting)."""
     session = _session(request)
+    race = shown_race(left, right)
+    full = full_outputs(session, race)
+    if full is not None:
+        return *full, gr.Timer(active=False)
     CANCELS.arm(session)
     LINE.join(session)
-    shown = waiting_outputs(session, shown_race(left, right))
-    if shown is None:
-        return message_html(), gr.skip(), gr.skip(), gr.skip(), gr.Timer(active=False)
-    return message_html(), *shown, gr.Timer(active=True)
+    return _tick(session, left, right, cleared=True)
 
 
 def on_race_change(record: RunRecord | None, left: str, right: str) -> tuple:
@@ -205,25 +225,37 @@ def on_race_change(record: RunRecord | None, left: str, right: str) -> tuple:
 
 
 def waiting_tick(left: str, right: str, request: gr.Request) -> tuple:
-    """Every second while waiting: the position again; the ticker stops once the run has started."""
-    shown = waiting_outputs(_session(request), shown_race(left, right))
+    """Every second from Run until the run starts: the position again (or that the full queue refused the
+    run); the ticker stops once the run has started, ended or was refused."""
+    return _tick(_session(request), left, right)
+
+
+def _tick(session: str, left: str, right: str, cleared: bool = False) -> tuple:
+    """(message, status, lane, lane, timer); ``cleared``: the old message goes even when nothing else changes."""
+    shown = waiting_outputs(session, shown_race(left, right))
     if shown is None:
-        return gr.skip(), gr.skip(), gr.skip(), gr.Timer(active=False)
-    return *shown, gr.Timer(active=True)
+        return message_html() if cleared else gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.Timer(active=False)
+    *outs, ticking = shown
+    if cleared and isinstance(outs[0], dict):  # gr.skip(): the old message goes
+        outs[0] = message_html()
+    return *outs, gr.Timer(active=ticking)
 
 
-def stop(request: gr.Request) -> str:
-    """Stop: the run ends after the iteration in progress and frees the device; a waiting run leaves the line."""
+def stop(left: str, right: str, request: gr.Request) -> tuple:
+    """Stop: the run ends after the iteration in progress and frees the device; a waiting run leaves the line
+    (its place and the waiting lanes are cleared at once, and nobody behind it counts it any more)."""
     session = _session(request)
     waiting = LINE.place(session) is not None
     if not CANCELS.stop(session):
-        return message_html("nothing is running.", kind="info")
+        return message_html("nothing is running.", kind="info"), *(gr.skip(),) * 4
     if waiting:
-        LINE.leave(session)
-        return message_html("Stopped while waiting in the queue: the run will not start.", kind="stop")
-    return message_html(
-        "Stop pressed: the run ends after the iteration in progress; later lanes do not start.", kind="stop"
-    )
+        LINE.leave(session, stopped=True)
+        note = "Stopped while waiting: press Run to queue again."
+        lanes = [tokens.placeholder_html(m, note) for m in shown_race(left, right)]
+        text = "Stopped while waiting in the queue: the run left the queue and will not start."
+        return message_html(text, kind="stop"), escape(text), *lanes, gr.Timer(active=False)
+    text = "Stop pressed: the run ends after the iteration in progress; later lanes do not start."
+    return message_html(text, kind="stop"), *(gr.skip(),) * 4
 
 
 def unload(request: gr.Request) -> None:
@@ -231,7 +263,7 @@ def unload(request: gr.Request) -> None:
     session = _session(request)
     CANCELS.stop(session)
     CANCELS.forget(session)
-    LINE.leave(session)
+    LINE.leave(session, stopped=True)
 
 
 # ---------------------------------------------------------------- run
@@ -568,8 +600,9 @@ def verify_view(record: RunRecord | None, method: str, iteration: float, tau: fl
     tau = min(1.0, max(0.0, float(tau if tau is not None and math.isfinite(tau) else 0.0)))
     index = int(iteration or 1) - 1
     run_tau = record.settings.get("tau", tau) if record else tau
-    html = verify.verify_html(lane, index, tau, run_tau, _tokenizer(record))
-    return html, verify.verify_figure(lane, index, tau)
+    settings = record.settings if record else {}
+    html = verify.verify_html(lane, index, tau, run_tau, _tokenizer(record), settings)
+    return html, verify.verify_figure(lane, index, tau, settings)
 
 
 def verify_lane(record: RunRecord | None, method: str, tau: float) -> tuple:
