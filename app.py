@@ -74,7 +74,11 @@ def build() -> gr.Blocks:
                     first, second = h.DEFAULT_RACE
                     left = gr.Dropdown(racers, value=first, label="Left lane", elem_id="left-method")
                     right = gr.Dropdown(racers, value=second, label="Right lane", elem_id="right-method")
-                with_ar = gr.Checkbox(False, label="Add an autoregressive (AR) baseline lane")
+                with_ar = gr.Checkbox(
+                    True,
+                    label="Autoregressive (AR) baseline lane: each card's “× AR” compares with it",
+                    elem_id="with-ar",
+                )
             with gr.Column(scale=2):
                 with gr.Row():
                     tau = number(DEFAULTS.tau, "τ (MTAD threshold)", TAU_RANGE, "tau")
@@ -102,7 +106,7 @@ def build() -> gr.Blocks:
         with gr.Row(equal_height=True):
             lane_1 = gr.HTML(h.lane_box(None, h.DEFAULT_RACE[0]), label="lane_1", elem_id="lane-left")
             lane_2 = gr.HTML(h.lane_box(None, h.DEFAULT_RACE[1]), label="lane_2", elem_id="lane-right")
-        lane_ar = gr.HTML(h.lane_box(None, "ar"), label="lane_ar", elem_id="lane-ar", visible=False)
+        lane_ar = gr.HTML(h.lane_box(None, "ar"), label="lane_ar", elem_id="lane-ar")
         cards = gr.HTML(label="cards", elem_id="cards")
         with gr.Row():
             tokens_plot = gr.Plot(label="Tokens vs seconds", elem_id="plot-tokens")

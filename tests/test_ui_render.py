@@ -118,6 +118,57 @@ def test_cards_show_summarize_numbers_and_energy_na():
     assert f"{cards.fmt(m.joules_per_token)} J" in cards.cards_html([lane])
 
 
+def looping_lane(method: str = "mtad", period: int = 4, seconds: float = 0.1) -> LaneRecord:
+    """A lane whose 20 new tokens repeat a ``period``-token phrase (4 keeps no 4-gram fresh after the first)."""
+    phrase = [1, 2, 3, 4, 6, 7][:period]
+    ids = (phrase * 20)[:20]
+    steps = [
+        Step(i, method, appended_ids=ids[i * 4 : i * 4 + 4], from_target=[True] * 4, target_logprobs=[-0.1] * 4)
+        for i in range(5)
+    ]
+    for st in steps:
+        st.target_calls, st.target_seconds = 1, seconds
+    return lane_of(method, steps)
+
+
+def card_cells(html: str) -> dict[str, str]:
+    """A card's cells as {label: value}, read from its markup."""
+    values = re.findall(r'<div class="card-value[^"]*">([^<]*)</div><div class="card-label">([^<]*)</div>', html)
+    return {label: value for value, label in values}
+
+
+def test_a_looping_card_says_so_next_to_its_perplexity_and_a_fresh_one_does_not():
+    loop = looping_lane()  # 17 four-grams, the last 13 repeat the first four: 13/17 = 76 %
+    html = cards.card_html(loop)
+    assert card_cells(html)["repeated 4-grams"] == "76%"
+    assert card_cells(html)["perplexity"] == f"{math.exp(0.1):.3g}"  # low: the loop is easy to predict
+    assert 'class="card-note card-loop">This text repeats itself (76% of its 4-grams)' in html
+    assert "its low perplexity rewards the loop, not better text" in html
+    seven = [1, 2, 3, 4, 5, 6, 7]  # 4 four-grams, none repeated
+    fresh = lane_of("mtad", [Step(0, "mtad", appended_ids=seven, from_target=[True] * 7, target_logprobs=[-1.0] * 7)])
+    fresh_html = cards.card_html(fresh)
+    assert card_cells(fresh_html)["repeated 4-grams"] == "0%" and "card-loop" not in fresh_html
+    again = [1, 2, 3, 4, 5, 1, 2, 3, 4]  # 6 four-grams, the 6th repeats the 1st: 17 %
+    some = lane_of("mtad", [Step(0, "mtad", appended_ids=again, from_target=[True] * 9, target_logprobs=[-1.0] * 9)])
+    assert card_cells(cards.card_html(some))["repeated 4-grams"] == "17%" and "card-loop" in cards.card_html(some)
+    under = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4]  # 8 four-grams, 1 repeated: 12.5 %, under the threshold
+    few = lane_of("mtad", [Step(0, "mtad", appended_ids=under, from_target=[True] * 11, target_logprobs=[-1.0] * 11)])
+    assert card_cells(cards.card_html(few))["repeated 4-grams"] == "12%" and "card-loop" not in cards.card_html(few)
+    # a text too short for one 4-gram has no figure and no warning
+    short = lane_of("mtad", [Step(0, "mtad", appended_ids=[1, 2], from_target=[True] * 2, target_logprobs=[-1.0] * 2)])
+    assert card_cells(cards.card_html(short))["repeated 4-grams"] == "—" and "card-loop" not in cards.card_html(short)
+
+
+def test_each_card_gives_its_speed_over_the_same_run_s_ar_lane():
+    fast, slow = looping_lane("mtad", seconds=0.1), looping_lane("ar", seconds=0.4)  # 20 tokens in 0.5 s vs 2 s
+    html = cards.cards_html([fast, slow])
+    mtad_card, ar_card = html.split('<div class="mtad-card"')[1:]
+    assert card_cells(mtad_card)["× AR"] == "4.00×" and card_cells(ar_card)["× AR"] == "1×"
+    assert card_cells(cards.cards_html([fast]))["× AR"] == "—"  # no AR lane: no borrowed figure
+    slow.state = "running"
+    assert card_cells(cards.cards_html([fast, slow]).split('<div class="mtad-card"')[1])["× AR"] == "—"
+
+
 def test_figures_use_each_lanes_own_clock():
     sd = lane_of("sd", [sd_step(0), sd_step(1)])
     md = lane_of("mtad", [mtad_step(0)])
@@ -351,3 +402,26 @@ def test_presets_that_cannot_run_here_are_marked_or_hidden(two_presets, monkeypa
     assert (
         availability.unavailable_reason(big) == "needs a GPU: its target has 13 B parameters and this server has none"
     )
+
+
+def test_pair_facts_are_read_from_the_loaded_models(tiny_pair):
+    from mtad.ui import handlers
+
+    d = sum(p.numel() for p in tiny_pair.draft.parameters())
+    t = sum(p.numel() for p in tiny_pair.target.parameters())
+    facts = handlers.pair_facts(tiny_pair)
+    assert facts.startswith(f"draft {handlers.millions(d)}, target {handlers.millions(t)} parameters · float32 · ")
+    assert "transformers " in facts and "attention" in facts
+    assert [handlers.millions(n) for n in (11_812_345, 134_515_008, 1_340_000_000, 250_400)] == [
+        "11.8 M",
+        "135 M",
+        "1.34 B",
+        "250 k",
+    ]
+
+
+def test_no_preset_description_states_a_size_or_dtype_the_models_would_contradict():
+    from mtad.pair import presets
+
+    for name, p in presets().items():
+        assert not re.search(r"\d+(\.\d+)?\s?[MBk]-parameter|bf16|bfloat16|float32|fp16", p.description), name

@@ -7,12 +7,14 @@ import functools
 import inspect
 import logging
 import math
+import os
 import time
 from collections.abc import Iterator
 from html import escape
 
 import gradio as gr
 import torch
+import transformers
 
 from mtad.decoding import encode_prompt
 from mtad.pair import PairError, configure_cpu_threads, default_pair_name, presets, resolve_device
@@ -30,6 +32,29 @@ PLOT_EVERY = 2.0  # seconds between plot refreshes in Replay (a live run redraws
 LIVE_EVERY = 0.3  # seconds between live lane refreshes (a long run must not drown the browser)
 LIVE_TAIL = 60  # iterations a live lane draws; the whole lane is drawn once it ends
 EMPTY_PROMPT = "the prompt is empty: type some text to continue"
+MAX_PROMPT_TOKENS_DEFAULT = 1024
+"""Prompt tokens a visitor may send (``MTAD_MAX_PROMPT_TOKENS``; 0: no cap). Each lane reads the whole
+prompt before its first token; measured on the smollm2 pair, 2-core CPU, see docs/benchmarks.md."""
+
+
+def max_prompt_tokens() -> int:
+    """The operator's cap on a visitor's prompt tokens (``MTAD_MAX_PROMPT_TOKENS``, read at every run)."""
+    raw = os.environ.get("MTAD_MAX_PROMPT_TOKENS", "")
+    try:
+        return max(0, int(raw)) if raw.strip() else MAX_PROMPT_TOKENS_DEFAULT
+    except ValueError:
+        log.warning("MTAD_MAX_PROMPT_TOKENS=%r is not an integer; using %d", raw, MAX_PROMPT_TOKENS_DEFAULT)
+        return MAX_PROMPT_TOKENS_DEFAULT
+
+
+def check_prompt_length(n_tokens: int) -> None:
+    """ValueError naming the prompt when it is longer than the operator allows."""
+    cap = max_prompt_tokens()
+    if cap and n_tokens > cap:
+        raise ValueError(
+            f"the prompt is {n_tokens:,} tokens long; this server takes at most {cap:,} prompt tokens "
+            "(each lane reads the whole prompt before its first token, holding the shared device): shorten it"
+        )
 
 
 # ---------------------------------------------------------------- page set-up helpers
@@ -119,20 +144,27 @@ def server_device() -> str:
 
 
 def device_text(record: RunRecord) -> str:
+    """The status line's facts about a run: the device, the pair and, read from the loaded models (the
+    page's one home for them), parameter counts, dtype and engine."""
     pair = PAIRS.peek(record.pair)
-    size = ""
-    if pair is not None:
-        d, t = pair.parameters()
-        dtype = str(pair.dtype).removeprefix("torch.")
-        size = f" · draft {millions(d)}, target {millions(t)} parameters, {dtype}"
-    return f"Ran on **{escape(record.device)}** · pair `{record.pair}`{size}"
+    facts = f" · {pair_facts(pair)}" if pair is not None else ""
+    return f"Ran on **{escape(record.device)}** · pair `{record.pair}`{facts}"
+
+
+def pair_facts(pair: object) -> str:
+    """Parameter counts, dtype and engine of a loaded pair, computed from the models themselves."""
+    d, t = pair.parameters()
+    dtype = str(pair.dtype).removeprefix("torch.")
+    attention = getattr(pair.target.config, "_attn_implementation", None) or "eager"
+    engine = f"transformers {transformers.__version__}, {attention} attention"
+    return f"draft {millions(d)}, target {millions(t)} parameters · {dtype} · {escape(engine)}"
 
 
 def millions(n: int) -> str:
-    """A parameter count in words: 68 M, 1.3 B, 250 k."""
+    """A parameter count to three significant figures: 11.8 M, 135 M, 1.34 B, 250 k."""
     if n >= 1e9:
-        return f"{n / 1e9:.1f} B"
-    return f"{n / 1e6:.0f} M" if n >= 1e7 else (f"{n / 1e6:.1f} M" if n >= 1e6 else f"{n / 1e3:.0f} k")
+        return f"{n / 1e9:.3g} B"
+    return f"{n / 1e6:.3g} M" if n >= 1e6 else f"{n / 1e3:.3g} k"
 
 
 def lane_note(method: str, settings: dict) -> str:
@@ -273,7 +305,7 @@ def lane_slots(record: RunRecord | None, race: tuple[str, str] = DEFAULT_RACE) -
     """The methods shown in the page's three lane boxes: the two raced methods (``race`` before a run),
     then AR (or nothing)."""
     if record is None:
-        return [*race, None]
+        return [*race, "ar"]
     methods = [m for m in record.lanes if m != "ar"]
     return [*(methods + [None, None])[:2], "ar" if "ar" in record.lanes else None]
 
@@ -462,6 +494,7 @@ def _generate(session: str, values: dict) -> Iterator[tuple]:
     try:
         pair = PAIRS.get(pair_name)
         prompt_ids = encode_prompt(pair, prompt, settings)
+        check_prompt_length(len(prompt_ids))
     except (PairError, ValueError) as exc:
         yield from refuse(str(exc), race)
     methods = racers + (["ar"] if with_ar else [])
