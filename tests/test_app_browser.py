@@ -190,7 +190,7 @@ def test_out_of_range_value_is_refused_by_name_not_clamped(page, elem_id, value,
 def pick(page, elem_id: str, label: str) -> None:
     """Choose ``label`` in a dropdown, as a visitor does."""
     page.locator(f"#{elem_id} input").click()
-    page.get_by_role("option", name=label, exact=True).click()
+    page.locator(f"#{elem_id}").get_by_role("option", name=label, exact=True).click()
 
 
 def test_visitor_races_two_other_decoders(page):
@@ -434,3 +434,142 @@ def test_closing_the_tab_stops_the_run(browser, server, monkeypatch):
         time.sleep(0.1)
     assert [(m, s) for m, s, _ in runner.HISTORY] == [("sd", "stopped")]
     assert not runner.DEVICE_LOCK.locked()
+
+
+def test_first_visit_shows_a_recorded_race_and_the_ar_lane(page):
+    """Before anyone presses Run: a race recorded on a named device, and the AR lane in the page (on)."""
+    import json
+
+    recorded = json.loads((Path(__file__).resolve().parent.parent / "assets" / "race.json").read_text())
+    race = page.locator("#race .mtad-race")
+    race.wait_for(timeout=30_000)
+    assert recorded["device"] in race.inner_text() and recorded["pair"] in race.inner_text()
+    rows = page.locator("#race .race-row")
+    assert [rows.nth(i).get_attribute("data-method") for i in range(rows.count())] == ["sd", "mtad", "ar"]
+    bar = page.evaluate(
+        "() => { const s = getComputedStyle(document.querySelector('#race .race-bar'));"
+        " return [s.animationName, s.animationDuration, s.animationTimingFunction]; }"
+    )
+    assert bar[0] == "mtad-race" and bar[1].endswith("s") and bar[2].startswith("linear(")  # it plays by itself
+    for lane in recorded["lanes"]:
+        if lane["times_ar"] is not None:
+            assert f"{lane['times_ar']:.2f}× AR" in race.inner_text()
+    assert page.locator("#with-ar input").is_checked()
+    ar = page.locator('#lane-ar .mtad-lane[data-method="ar"]')
+    assert ar.is_visible() and "Autoregressive" in ar.inner_text()
+    page.wait_for_timeout(1000)
+    page.screenshot(path=str(OUT / "app_first_visit.png"))
+
+
+def test_sampled_spectr_and_bild_panels_teacher_mode_link_and_reply_view(browser, server, page):
+    """Spectr and BiLD raced with sampling: each panel shows its own rule's figures; previous / next walk the
+    iterations; the link reopens the page with the run's inputs and opens the panel at its iteration."""
+    pick(page, "left-method", "Spectr")
+    pick(page, "right-method", "BiLD")
+    page.get_by_text("Other decoders (Spectr, SpecInfer, BiLD)").click()
+    set_number(page, "num-drafts", 3)
+    set_number(page, "tau1", 0)  # the tiny pair's little model is never sure: with τ1 = 0 it drafts every time
+    set_number(page, "max-new", 24)
+    page.get_by_text("Sampling").click()
+    set_number(page, "seed", 11)
+    run_prompt(page, "abc def abc bad")
+    page.wait_for_selector('#lane-ar .mtad-lane[data-state="done"]', timeout=120_000)
+
+    # the cards and the race: each lane against the same run's AR lane
+    cards = page.locator("#cards")
+    page.wait_for_function("document.querySelector('#cards').innerText.includes('× AR')")
+    assert re.search(r"\d\.\d\d×", cards.inner_text())
+    page.wait_for_function("document.querySelector('#race').innerText.includes(\"This run's race\")")
+    assert page.locator("#race .race-row").count() == 3
+
+    panel = page.locator("#v-panel")
+    page.get_by_label("Spectr", exact=True).check()
+    page.wait_for_function("document.querySelector('#v-panel').innerText.includes('min(1, p/(ρq))')")
+    text = panel.inner_text()
+    assert "ρ" in text and "(greedy)" not in text and "u_i" not in text and "warped laws" in text
+    page.wait_for_function(
+        "document.querySelector('#v-plot .gtitle')?.textContent.startsWith(\"Spectr: each try's acceptance\")",
+        timeout=30_000,
+    )
+    panel.scroll_into_view_if_needed()
+    page.screenshot(path=str(OUT / "app_spectr_panel.png"), full_page=True)
+
+    # previous / next
+    page.locator("#v-next").click()
+    page.wait_for_function("document.querySelector('#v-panel').innerText.includes('Spectr · iteration 2 of')")
+    page.locator("#v-next").click()
+    page.wait_for_function("document.querySelector('#v-panel').innerText.includes('Spectr · iteration 3 of')")
+    page.locator("#v-prev").click()
+    page.wait_for_function("document.querySelector('#v-panel').innerText.includes('Spectr · iteration 2 of')")
+    page.wait_for_function("document.querySelector('#v-link a')?.href.includes('it=2')")
+    href = page.locator("#v-link a").get_attribute("href")
+    for part in ("left=spectr", "right=bild", "m=3", "tau1=0.0", "max_new=24", "seed=11", "lane=spectr", "ar=1"):
+        assert part in href, (part, href)
+
+    page.get_by_label("BiLD", exact=True).check()
+    page.wait_for_function("document.querySelector('#v-panel').innerText.includes('little model')")
+    text = panel.inner_text()
+    assert re.search(r"τ1 = 0 \(fallback", text) and re.search(r"τ2 = 2 nats \(rollback", text)
+    assert re.search(r"\d\.\d\d\d ≥ τ1", text) and "(greedy)" not in text
+    page.wait_for_function(
+        "document.querySelector('#v-plot .gtitle')?.textContent.startsWith('BiLD: each draft token')",
+        timeout=30_000,
+    )
+    panel.scroll_into_view_if_needed()
+    page.screenshot(path=str(OUT / "app_bild_panel.png"), full_page=True)
+
+    # reading view: the left lane's prompt and rejected drafts go, the right lane keeps its colours
+    rejected = page.locator("#lane-left .tok-rej")
+    assert rejected.count() > 0 and rejected.first.is_visible()
+    page.locator("#reply-left input").check()
+    assert not rejected.first.is_visible() and not page.locator("#lane-left .tok-prompt").is_visible()
+    assert page.locator("#lane-right .tok-prompt").is_visible()
+    page.locator("#lane-left").scroll_into_view_if_needed()
+    page.screenshot(path=str(OUT / "app_reply_only.png"))
+
+    # the link: a new page with the run's inputs; Run there opens the panel at iteration 2 of Spectr
+    ctx = browser.new_context(viewport={"width": 1400, "height": 1000})
+    linked = ctx.new_page()
+    linked.goto(server["url"] + href)
+    linked.wait_for_selector("#run-btn", timeout=60_000)
+    linked.wait_for_function("document.querySelector('#message').innerText.includes('Opened from a link')")
+    assert linked.locator("#prompt textarea").input_value() == "abc def abc bad"
+    assert linked.locator("#left-method input").input_value() == "Spectr"
+    assert linked.locator("#right-method input").input_value() == "BiLD"
+    assert linked.locator("#max-new input[type=number]").input_value() == "24"
+    linked.get_by_text("Sampling").click()
+    linked.get_by_text("Other decoders (Spectr, SpecInfer, BiLD)").click()
+    assert linked.locator("#seed input[type=number]").input_value() == "11"
+    assert linked.locator("#num-drafts input[type=number]").input_value() == "3"
+    assert linked.locator("#tau1 input[type=number]").input_value() == "0"
+    linked.locator("#run-btn").click()
+    linked.wait_for_selector('#lane-ar .mtad-lane[data-state="done"]', timeout=120_000)
+    linked.wait_for_function("document.querySelector('#v-panel').innerText.includes('Spectr · iteration 2 of')")
+    same = [page.locator(f"#lane-{s} .lane-body").inner_text() for s in ("right",)]
+    assert [linked.locator("#lane-right .lane-body").inner_text()] == same  # same seed, same tokens
+    ctx.close()
+
+
+def test_the_page_reads_at_400_px(browser, server):
+    """A phone-width page: the panel's table and chart do not overlap, nothing runs off the right edge."""
+    ctx = browser.new_context(viewport={"width": 400, "height": 900})
+    pg = ctx.new_page()
+    pg.goto(server["url"])
+    pg.wait_for_selector("#run-btn", timeout=60_000)
+    pg.get_by_text("Sampling").click()
+    pg.get_by_label("greedy (argmax everywhere)").check()
+    set_number(pg, "max-new", 16)
+    run_prompt(pg, "abc def abc bad")
+    pg.wait_for_selector("#v-panel .v-eta", timeout=60_000)
+    pg.wait_for_selector("#v-plot .js-plotly-plot .main-svg", timeout=30_000)
+    table, plot = pg.locator("#v-panel").bounding_box(), pg.locator("#v-plot").bounding_box()
+    assert table["y"] + table["height"] <= plot["y"] + 1, (table, plot)  # the chart sits below the table
+    assert table["x"] + table["width"] <= 400 + 1 and plot["x"] + plot["width"] <= 400 + 1
+    assert pg.evaluate("document.documentElement.scrollWidth") <= 400  # no sideways scrolling of the page
+    for box in ("#cards", "#race", "#lane-left", "#lane-right"):
+        b = pg.locator(box).bounding_box()
+        assert b["x"] >= 0 and b["x"] + b["width"] <= 400 + 1, (box, b)
+    pg.locator("#v-panel").scroll_into_view_if_needed()
+    pg.screenshot(path=str(OUT / "app_400px_panel.png"))
+    pg.screenshot(path=str(OUT / "app_400px.png"), full_page=True)
+    ctx.close()

@@ -425,3 +425,106 @@ def test_no_preset_description_states_a_size_or_dtype_the_models_would_contradic
 
     for name, p in presets().items():
         assert not re.search(r"\d+(\.\d+)?\s?[MBk]-parameter|bf16|bfloat16|float32|fp16", p.description), name
+
+
+def test_the_race_plays_each_lane_s_own_curve_on_one_time_axis():
+    from mtad.ui import race
+
+    sd = lane_of("sd", [sd_step(0), sd_step(1)])  # 2 tokens at 0.02 s and 4 at 0.04 s of its own clock
+    ar = looping_lane("ar", seconds=0.01)  # 20 tokens, 4 at 0.01, 0.02, ... 0.05 s
+    html = race.run_race_html([sd, ar], "CPU (1 thread)")
+    assert "This run&#x27;s race on one time axis (CPU (1 thread)):" in html
+    # the race lasts 0.05 s (AR's end); SD's bar: half its tokens at 40 %, all at 80 %, and 4/20 as long as AR's
+    sd_row = html.split('data-method="sd"')[1].split('data-method="ar"')[0]
+    assert "linear(0 0%, 0.5000 40.000%, 1.0000 80.000%, 1 100%)" in sd_row and "width: 20.0%" in sd_row
+    assert "4 tokens in 0.04 s · 0.25× AR" in sd_row  # 100 tokens/s against AR 400
+    assert "× AR" not in html.split('data-method="ar"')[1]
+    assert "true time;" in html  # shorter than 15 s: played at its own speed
+    slow = looping_lane("ar", seconds=6.0)  # 30 s: played at twice the speed
+    assert "true time ×2.0" in race.run_race_html([slow], "x") and "animation-duration: 15.00s" in race.run_race_html(
+        [slow], "x"
+    )
+    assert race.run_race_html([LaneRecord(method="sd", prompt_ids=[1])], "x") == ""
+
+
+def test_a_long_lane_s_curve_is_thinned_but_keeps_its_end():
+    from mtad.ui import race
+
+    secs = [0.01 * (i + 1) for i in range(1000)]
+    curve = race.easing(secs, list(range(1, 1001)), 10.0)
+    stops = curve.removeprefix("linear(").removesuffix(")").split(", ")
+    assert len(stops) == race.MAX_POINTS + 3 and stops[-2] == "1.0000 100.000%" and stops[0] == "0 0%"
+
+
+def test_the_recorded_race_names_its_device_pair_and_settings():
+    from mtad.ui import race
+
+    data = race.recorded_race()
+    html = race.recorded_race_html()
+    assert data["device"] and f"pair {data['pair']} on {data['device']}" in html
+    assert [c["method"] for c in data["lanes"]] == ["sd", "mtad", "ar"] and html.count('class="race-row"') == 3
+    assert race.RACE_FILE.stat().st_size < 20_000  # small enough to ship
+
+
+def link_record() -> RunRecord:
+    settings = parse_settings(
+        tau=0.2, beams=3, gamma=4, max_new_tokens=24, greedy=False, temperature=0.7, top_k=5, top_p=0.8, seed=11
+    ).to_dict()
+    lanes = {"spectr": lane_of("spectr", [sd_step(0), sd_step(1)]), "bild": lane_of("bild", [sd_step(0)])}
+    lanes["ar"] = lane_of("ar", [Step(0, "ar", appended_ids=[1], from_target=[True], target_logprobs=[-1.0])])
+    return RunRecord(pair="tiny", device="CPU", prompt="a & b = c?", settings=settings, lanes=lanes)
+
+
+def test_a_link_carries_the_run_s_inputs_and_the_iteration():
+    from urllib.parse import parse_qs
+
+    from mtad.ui import handlers
+
+    q = {k: v[0] for k, v in parse_qs(handlers.link_query(link_record(), "spectr", 2)).items()}
+    assert q == {
+        "prompt": "a & b = c?",
+        "pair": "tiny",
+        "tau": "0.2",
+        "beams": "3",
+        "gamma": "4",
+        "max_new": "24",
+        "greedy": "0",
+        "temperature": "0.7",
+        "top_k": "5",
+        "top_p": "0.8",
+        "seed": "11",
+        "m": "4",
+        "tau1": "0.9",
+        "tau2": "2.0",
+        "left": "spectr",
+        "right": "bild",
+        "ar": "1",
+        "lane": "spectr",
+        "it": "2",
+    }
+    assert handlers.link_html(None, "mtad", 1) == ""
+    assert "a &amp; b" not in handlers.link_html(link_record(), "spectr", 2)  # url-encoded, not raw text
+    assert 'href="?prompt=a+%26+b+%3D+c%3F&amp;pair=tiny' in handlers.link_html(link_record(), "spectr", 2)
+
+
+def test_previous_and_next_stay_within_the_lane_s_iterations():
+    from mtad.ui import handlers
+
+    rec = link_record()
+    assert handlers.next_iteration(rec, "spectr", 1)["value"] == 2
+    assert handlers.next_iteration(rec, "spectr", 2)["value"] == 2  # the last of 2
+    assert handlers.previous_iteration(rec, "spectr", 1)["value"] == 1
+    assert handlers.previous_iteration(rec, "spectr", 2)["value"] == 1
+    assert handlers.next_iteration(None, "spectr", 1)["value"] == 1
+
+
+def test_a_link_s_iteration_opens_after_the_run_and_is_then_spent():
+    from mtad.ui import handlers
+
+    rec = link_record()
+    lane, slider, _, html, _, spent = handlers.verify_reset(rec, "mtad", {"lane": "spectr", "it": 2})
+    assert lane["value"] == "spectr" and slider["value"] == 2 and "iteration 2 of 2" in html and spent is None
+    lane, slider, *_ = handlers.verify_reset(rec, "bild", {"lane": "spectr", "it": 9})  # past the end: iteration 1
+    assert lane["value"] == "spectr" and slider["value"] == 1
+    *_, kept = handlers.verify_reset(None, "mtad", {"lane": "spectr", "it": 2})  # no run yet: kept for the next
+    assert kept == {"lane": "spectr", "it": 2}

@@ -640,3 +640,17 @@ def test_bild_figure_draws_each_nll_against_tau2():
     assert list(fig.data[0].marker.color) == [PASS, FAIL, FAIL]
     assert fig.layout.shapes[0].y0 == 2.0 and fig.layout.annotations[0].text == "τ2 = 2"
     assert fig.layout.title.text.startswith("BiLD: each draft token's NLL under the target against τ2")
+
+
+def test_bild_falling_back_at_once_is_explained_not_called_the_budget_s_last_token():
+    step = Step(index=0, method="bild", appended_ids=[2], from_target=[True], target_logprobs=[-1.0])
+    step.draft_top_q = [0.15]  # the little model's first check: under τ1, so it drafted nothing
+    settings = {"tau1": 0.6, "tau2": 2.0}
+    html = verify.verify_html(lane_of("bild", [step]), 0, 0.1, 0.1, FakeTokenizer(), settings)
+    assert "budget" not in html
+    table = Tables(html).tables[-1]
+    assert [texts(r) for r in table[1:]] == [
+        ["1", "—", "0.150 < τ1", "—", "—", "fallback: the big model writes this position"]
+    ]
+    fig = verify.verify_figure(lane_of("bild", [step]), 0, 0.1, settings)
+    assert fig.layout.title.text.startswith("BiLD: each draft token's NLL") and list(fig.data[0].y) == []

@@ -11,6 +11,7 @@ import os
 import time
 from collections.abc import Iterator
 from html import escape
+from urllib.parse import urlencode
 
 import gradio as gr
 import torch
@@ -19,7 +20,7 @@ import transformers
 from mtad.decoding import encode_prompt
 from mtad.pair import PairError, configure_cpu_threads, default_pair_name, presets, resolve_device
 from mtad.settings import Settings
-from mtad.ui import availability, cards, figures, tokens, verify
+from mtad.ui import availability, cards, figures, race, tokens, verify
 from mtad.ui.inputs import as_bool, example_prompts, parse_settings
 from mtad.ui.record import LABELS, LaneRecord, RunRecord
 from mtad.ui.runner import CANCELS, OOM_MESSAGE, PAIRS, free_device_memory, run_lanes
@@ -529,7 +530,7 @@ def _generate(session: str, values: dict) -> Iterator[tuple]:
 def run_tail(record: RunRecord) -> str:
     """How the run ended, for the status line."""
     if not any(lane.state == "stopped" for lane in record.lanes.values()):
-        return " · done: press Replay to race the lanes on one time axis"
+        return " · done: the race above replays the lanes on one time axis (Replay re-animates the lanes too)"
     with_steps = [lane for lane in record.lanes.values() if lane.steps]
     last = with_steps[-1] if with_steps else None
     where = f" ({last.label} stopped after {len(last.steps)} iterations)" if last and last.state == "stopped" else ""
@@ -555,6 +556,13 @@ def _device_name(dev: torch.device) -> str:
 def _cpu_label() -> str:
     n = torch.get_num_threads()
     return f"CPU ({n} thread{'s' if n != 1 else ''})"
+
+
+def race_after_run(record: RunRecord | None) -> str | dict:
+    """When a run ends, its lanes race again on one time axis (nothing changes when no lane has steps)."""
+    if record is None or not any(lane.steps for lane in record.lanes.values()):
+        return gr.skip()
+    return race.run_race_html(list(record.lanes.values()), record.device)
 
 
 def toggle_ar(with_ar: bool) -> dict:
@@ -646,16 +654,132 @@ def verify_lane(record: RunRecord | None, method: str, tau: float) -> tuple:
     return gr.update(maximum=max(n, 2), value=1, interactive=n > 1), html, fig
 
 
-def verify_reset(record: RunRecord | None, method: str) -> tuple:
+def verify_reset(record: RunRecord | None, method: str, wanted: dict | None = None) -> tuple:
     """After a run: the picked lane (or, when it has no steps, e.g. after a Stop, the last lane that has),
-    its first iteration, judged at the run's own tau."""
+    its first iteration, judged at the run's own tau; ``wanted`` (from a link's ``lane`` and ``it``) picks
+    the lane and iteration once, then is spent."""
     tau = record.settings.get("tau", 0.1) if record else 0.1
     choices = lane_choices(record)
     with_steps = [m for _, m in choices if (lane := _lane(record, m)) is not None and lane.steps]
+    wanted = wanted or {}
+    if wanted.get("lane") in with_steps:
+        method = wanted["lane"]
     if method not in with_steps and with_steps:
         method = with_steps[-1]
     slider, html, fig = verify_lane(record, method, tau)
-    return gr.update(choices=choices, value=method), slider, gr.update(value=tau), html, fig
+    lane = _lane(record, method)
+    n = len(lane.steps) if lane else 1
+    it = wanted.get("it")
+    if isinstance(it, int) and 1 < it <= n:
+        slider = gr.update(maximum=max(n, 2), value=it, interactive=n > 1)
+        html, fig = verify_view(record, method, it, tau)
+    spent = None if record is not None and record.lanes else wanted or None
+    return gr.update(choices=choices, value=method), slider, gr.update(value=tau), html, fig, spent
+
+
+def shift_iteration(record: RunRecord | None, method: str, iteration: float, delta: int) -> dict:
+    """The iteration slider moved by ``delta`` (previous / next), kept within the lane's iterations."""
+    lane = _lane(record, method)
+    n = max(1, len(lane.steps)) if lane else 1
+    return gr.update(value=min(n, max(1, int(iteration or 1) + delta)))
+
+
+def previous_iteration(record: RunRecord | None, method: str, iteration: float) -> dict:
+    return shift_iteration(record, method, iteration, -1)
+
+
+def next_iteration(record: RunRecord | None, method: str, iteration: float) -> dict:
+    return shift_iteration(record, method, iteration, +1)
+
+
+LINK_KEYS = {  # query parameter -> the run's settings key
+    "tau": "tau",
+    "beams": "beams",
+    "gamma": "gamma",
+    "max_new": "max_new_tokens",
+    "greedy": "greedy",
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "seed": "seed",
+    "m": "num_drafts",
+    "tau1": "tau1",
+    "tau2": "tau2",
+}
+
+
+def link_query(record: RunRecord, method: str, iteration: float) -> str:
+    """The query string that reopens the page on this run's prompt, pair, settings, seed, lanes and
+    iteration (see :func:`from_query`)."""
+    racers = [m for m in record.lanes if m != "ar"]
+    params: dict[str, object] = {"prompt": record.prompt, "pair": record.pair}
+    for key, name in LINK_KEYS.items():
+        value = record.settings.get(name)
+        if value is not None:
+            params[key] = int(value) if isinstance(value, bool) else value
+    if len(racers) == 2:
+        params["left"], params["right"] = racers
+    params["ar"] = int("ar" in record.lanes)
+    params["lane"], params["it"] = method, int(iteration or 1)
+    return urlencode(params)
+
+
+def link_html(record: RunRecord | None, method: str, iteration: float) -> str:
+    """A link to this run and iteration, for a teacher to share."""
+    if record is None or not any(lane.steps for lane in record.lanes.values()):
+        return ""
+    query = link_query(record, method, iteration)
+    return (
+        f'<div class="v-link"><a href="?{escape(query, quote=True)}" target="_blank" rel="noopener">'
+        f"Link to this run at iteration {int(iteration or 1)} of {escape(LABELS.get(method, method))}</a>: it "
+        "opens the page with this prompt, pair, settings and seed; Run there gives the same tokens on the same "
+        "device, and the panel opens at this iteration.</div>"
+    )
+
+
+def from_query(current_pair: str | None, request: gr.Request) -> tuple:
+    """Page load: the pair list as of now and, from a link's query parameters, the prompt, pair, settings,
+    lanes and the iteration to open after the next run. Values are only put in the boxes: the run checks
+    them by name as it checks typed ones; a pair must be one of the operator's presets."""
+    q = dict(request.query_params) if request is not None else {}
+    choices = pair_choices()
+    names = [n for _, n in choices]
+    pair = q.get("pair") if q.get("pair") in names else current_pair
+    pair_out = gr.update(choices=choices, value=pair if pair in names else (names[0] if names else None))
+    keep = gr.skip()
+    outs = {key: keep for key in ("prompt", *LINK_KEYS, "ar", "left", "right")}
+    if "prompt" in q:
+        outs["prompt"] = gr.update(value=q["prompt"][:20_000])
+    for key in LINK_KEYS:
+        if key in q:
+            value = q[key]
+            if key == "greedy":
+                outs[key] = gr.update(value=value in ("1", "true", "True"))
+            else:
+                try:
+                    outs[key] = gr.update(value=float(value))
+                except ValueError:
+                    outs[key] = gr.update(value=value)  # the run refuses it by name
+    if "ar" in q:
+        outs["ar"] = gr.update(value=q["ar"] in ("1", "true", "True"))
+    for side in ("left", "right"):
+        if q.get(side) in RACERS:
+            outs[side] = gr.update(value=q[side])
+    wanted = None
+    if "lane" in q or "it" in q:
+        try:
+            wanted = {"lane": q.get("lane"), "it": int(q.get("it", "1"))}
+        except ValueError:
+            wanted = {"lane": q.get("lane"), "it": 1}
+    message = gr.skip()
+    if "prompt" in q:
+        it = f" and the panel opens at iteration {wanted['it']}" if wanted else ""
+        message = message_html(
+            f"Opened from a link: press Run to reproduce that run (same settings and seed){it}.", kind="info"
+        )
+    ordered = [outs[k] for k in ("prompt", "tau", "beams", "gamma", "max_new", "greedy", "temperature", "top_k")]
+    ordered += [outs[k] for k in ("top_p", "seed", "ar", "left", "right", "m", "tau1", "tau2")]
+    return pair_out, *ordered, wanted, message
 
 
 def lane_choices(record: RunRecord | None = None) -> list[tuple[str, str]]:

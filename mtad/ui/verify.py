@@ -351,7 +351,8 @@ def verify_html(
         + (f" with W = {len(step.beams)} beams" if step.beams else "")
         + "</div>"
     )
-    if not step.draft_ids:
+    fell_back = lane.method == "bild" and bool(step.draft_top_q)
+    if not step.draft_ids and not fell_back:
         return (
             f'<div class="mtad-verify">{head}<p>No draft this iteration: only one token of the budget was left, '
             "so the target generated it alone.</p></div>"
@@ -464,7 +465,7 @@ def verify_figure(lane: LaneRecord | None, index: int, tau: float, settings: dic
     sampled_walk = step.walk and any(t.get("u") is not None for t in step.walk)
     if lane.method in ("spectr", "specinfer") and sampled_walk and step.draft_ids:
         return walk_figure(lane, step)
-    if lane.method == "bild" and step.draft_top_q is not None and step.draft_ids:
+    if lane.method == "bild" and step.draft_top_q:
         return bild_figure(lane, step, settings or {})
     js = list(range(1, len(step.draft_ids) + 1))
     threshold = log_tau(tau)
