@@ -654,3 +654,11 @@ def test_bild_falling_back_at_once_is_explained_not_called_the_budget_s_last_tok
     ]
     fig = verify.verify_figure(lane_of("bild", [step]), 0, 0.1, settings)
     assert fig.layout.title.text.startswith("BiLD: each draft token's NLL") and list(fig.data[0].y) == []
+
+
+def test_the_panel_counts_the_lane_s_iterations_with_every_prefix_at_minus_infinity():
+    dead = mtad_step(1, log_p=(-math.inf,) * 4)
+    lane = lane_of("mtad", [mtad_step(0), dead, mtad_step(2, log_p=(-0.5, -math.inf, -math.inf, -math.inf))])
+    html = verify.verify_html(lane, 0, 0.1, 0.1, FakeTokenizer())
+    assert "In this lane 1 of 3 drafting iterations had <b>every</b> prefix at −∞" in html
+    assert "every</b> prefix at −∞" not in verify.verify_html(lane_of("mtad", [mtad_step(0)]), 0, 0.1, 0.1)

@@ -267,8 +267,9 @@ def bild_table(lane: LaneRecord, step: Step, tokenizer: object | None, settings:
     )
 
 
-def laws_html(step: Step) -> str:
-    """What p and q are in this panel, and why a prefix can be −∞."""
+def laws_html(step: Step, lane: LaneRecord | None = None) -> str:
+    """What p and q are in this panel, why a prefix can be −∞, and how many of the lane's iterations had
+    every prefix at −∞."""
     text = (
         "p and q are the <b>warped laws</b>: the target's and the draft's next-token distributions after this "
         "run's temperature, top-k and top-p (greedy: plain softmax at T = 1) — the laws the rule compares, not "
@@ -279,6 +280,14 @@ def laws_html(step: Step) -> str:
             " A <b>−∞</b> here is log 0: a drafted token lies outside the target's top-k / top-p, so the warped "
             "target gives it probability 0, and every prefix containing it has joint log p = −∞ and fails."
         )
+    if lane is not None:
+        drafted = [s for s in lane.steps if s.draft_ids]
+        dead = sum(1 for s in drafted if not any(math.isfinite(v) for v in s.log_p))
+        if dead:
+            text += (
+                f" In this lane {dead} of {len(drafted)} drafting iterations had <b>every</b> prefix at −∞: the "
+                "draft's first token was already outside what the warped target allows."
+            )
     return f'<p class="v-laws">{text}</p>'
 
 
@@ -358,7 +367,7 @@ def verify_html(
             "so the target generated it alone.</p></div>"
         )
     pieces = draft_pieces(lane, index, tokenizer, step.draft_ids)
-    parts = [head, laws_html(step)]
+    parts = [head, laws_html(step, lane)]
     parts.append(candidates_html(lane, step, tokenizer))
     if lane.method in ("mtad", "mtad-tree"):
         parts += [beams_html(lane, step, tokenizer) if not step.candidates else "", mtad_table(step, pieces, tau)]
