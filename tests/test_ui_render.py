@@ -349,6 +349,42 @@ def test_waiting_line_positions():
     assert line.place("c") is None
 
 
+def test_positions_come_from_gradio_s_queue_api_jobs_included(monkeypatch):
+    from mtad.ui import waiting
+    from mtad.ui.waiting import Jobs, WaitingLine, place_text
+
+    queue = {"jobs": Jobs(pending=["api-1", "b", "api-2", "c"], api=[True, False, True, False], active=["a"])}
+    line = WaitingLine(lambda: queue["jobs"])
+    line.start("a")
+    for s in ("b", "c"):
+        line.join(s)
+    b, c = line.place("b"), line.place("c")
+    assert (b.position, b.total, b.api, b.state) == (3, 5, 1, "waiting")
+    assert (c.position, c.total, c.api) == (5, 5, 2)
+    assert "you are number 5 of 5 (4 runs ahead of you, 2 of them from the API" in place_text(c)
+    line.leave("b", stopped=True)  # Stop while waiting: its job stays in Gradio's queue but decodes nothing
+    assert line.place("b") is None and (line.place("c").position, line.place("c").total) == (4, 4)
+    line.join("d")  # pressed Run a moment ago, its job not in Gradio's queue yet
+    d = line.place("d")
+    assert d.state == "joining" and d.position == 5 and place_text(d).startswith("Joining the queue (4 runs ahead")
+    monkeypatch.setattr(waiting, "GRACE", 0.0)  # ... and still not there after the grace: Gradio refused it
+    queue["jobs"] = Jobs(pending=["api-1", "b", "api-2", "c"], api=[True, False, True, False], size=4, max_size=4)
+    refused = line.place("d")
+    assert refused.state == "refused" and place_text(refused).startswith(
+        "The queue is full (4 runs waiting, the most this server keeps): your run was not queued"
+    )
+    assert "starts by itself" not in place_text(refused) and "number" not in place_text(refused)
+    queue["jobs"] = Jobs(pending=["api-1"], api=[True], active=["d"])
+    assert line.place("d") is None  # running: the run takes over the page
+    assert Jobs(size=3, max_size=3).full and not Jobs(size=2, max_size=3).full and not Jobs(size=9).full
+
+
+def test_gradio_jobs_reads_a_launched_page_s_queue_and_none_without_one():
+    from mtad.ui.waiting import gradio_jobs
+
+    assert gradio_jobs(object()) is None
+
+
 @pytest.fixture
 def two_presets(tmp_path, monkeypatch):
     prompts = tmp_path / "p.jsonl"

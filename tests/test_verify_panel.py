@@ -662,3 +662,11 @@ def test_the_panel_counts_the_lane_s_iterations_with_every_prefix_at_minus_infin
     html = verify.verify_html(lane, 0, 0.1, 0.1, FakeTokenizer())
     assert "In this lane 1 of 3 drafting iterations had <b>every</b> prefix at −∞" in html
     assert "every</b> prefix at −∞" not in verify.verify_html(lane_of("mtad", [mtad_step(0)]), 0, 0.1, 0.1)
+
+
+def test_bild_shows_a_rounding_above_log_one_as_zero_nll_not_minus_zero():
+    step = bild_step([1.0, 1.0, 1.0])
+    step.log_p, step.accepted = [1e-7, 2e-7, 3e-7], 3  # float32 log-softmax of a sure token can round above 0
+    step.appended_ids, step.from_target = [3, 5, 1, 2], [False, False, False, True]
+    html = verify.verify_html(lane_of("bild", [step]), 0, 0.1, 0.1, FakeTokenizer(), {"tau1": 0.9, "tau2": 2.0})
+    assert [texts(r)[3] for r in Tables(html).tables[-1][1:]] == ["0.000"] * 3 and "-0.000" not in html

@@ -233,7 +233,7 @@ def bild_table(lane: LaneRecord, step: Step, tokenizer: object | None, settings:
     tau1, tau2 = settings.get("tau1"), settings.get("tau2")
     tops = step.draft_top_q or []
     pieces = draft_pieces(lane, step.index, tokenizer, step.draft_ids)
-    nll = [-v for v in step.token_log_p]
+    nll = [max(0.0, -v) if not math.isnan(v) else v for v in step.token_log_p]  # −log p ≥ 0: no −0.000
     rows = []
     for i, piece in enumerate(pieces):
         top = f"{tops[i]:.3f} ≥ τ1" if i < len(tops) else "—"
@@ -431,7 +431,7 @@ def walk_figure(lane: LaneRecord, step: Step) -> go.Figure:
 
 def bild_figure(lane: LaneRecord, step: Step, settings: dict) -> go.Figure:
     """BiLD: each draft token's NLL under the target as a bar, with the τ2 line it must stay under."""
-    nll = [-v for v in step.token_log_p]
+    nll = [max(0.0, -v) if not math.isnan(v) else v for v in step.token_log_p]  # −log p ≥ 0: no −0.000
     tau2 = settings.get("tau2")
     top = max([v for v in nll if math.isfinite(v)] + [tau2 or 0.0]) + 1.0
     fig = go.Figure(

@@ -34,15 +34,17 @@ class Jobs:
         return self.max_size is not None and self.size >= self.max_size
 
 
-def gradio_jobs(blocks: object, concurrency_id: str = DEVICE) -> Jobs:
-    """Read the queue of a launched ``gr.Blocks`` (``Blocks._queue``: Gradio keeps each concurrency id's
-    waiting ``Event``s in ``event_queue_per_concurrency_id`` and the running ones in ``active_jobs``)."""
+def gradio_jobs(blocks: object, concurrency_id: str = DEVICE) -> Jobs | None:
+    """Read the queue of a launched ``gr.Blocks`` (``Blocks._queue``: Gradio 6 keeps each concurrency id's
+    waiting ``Event``s in ``event_queue_per_concurrency_id`` and the running ones in ``active_jobs``); None
+    where that is not there to read (the line then falls back to the page's own Run presses)."""
     q = getattr(blocks, "_queue", None)
-    if q is None:
-        return Jobs()
-    line = q.event_queue_per_concurrency_id.get(concurrency_id)
-    events = list(line.queue) if line is not None else []
-    running = [e for job in list(q.active_jobs) if job for e in job if e.concurrency_id == concurrency_id]
+    try:
+        line = q.event_queue_per_concurrency_id.get(concurrency_id)
+        events = list(line.queue) if line is not None else []
+        running = [e for job in list(q.active_jobs) if job for e in job if e.concurrency_id == concurrency_id]
+    except AttributeError:
+        return None
     return Jobs(
         pending=[e.session_hash for e in events],
         api=[e.fn.api_visibility != "private" for e in events],
@@ -71,7 +73,7 @@ class WaitingLine:
     """Sessions that pressed Run and have not started yet, the running ones, and, once :meth:`attach`
     names the page, Gradio's queue as the truth about who waits ahead of whom."""
 
-    def __init__(self, jobs: Callable[[], Jobs] | None = None) -> None:
+    def __init__(self, jobs: Callable[[], Jobs | None] | None = None) -> None:
         self._waiting: dict[str, float] = {}
         self._running: dict[str, float] = {}
         self._left: set[str] = set()  # stopped while waiting: their job is still queued but decodes nothing
@@ -113,12 +115,12 @@ class WaitingLine:
             now = time.monotonic()
             running_for = now - min(self._running.values()) if self._running else None
             joined = self._waiting[session]
-            if self.jobs is None:  # no queue to read (a page not launched): the Run presses in order
+            jobs = self.jobs() if self.jobs is not None else None
+            if jobs is None:  # no queue to read (a page not launched): the Run presses in order
                 ahead = list(self._waiting).index(session)
                 n_running = len(self._running)
                 return Place(n_running + ahead + 1, n_running + len(self._waiting), running_for)
             left = set(self._left)
-        jobs = self.jobs()
         queued = [(s, api) for s, api in zip(jobs.pending, jobs.api, strict=True) if s not in left]
         n_running = len(jobs.active)
         sessions = [s for s, _ in queued]
