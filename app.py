@@ -146,7 +146,8 @@ def build() -> gr.Blocks:
         pair.change(h.on_pair_change, [pair, prompt], [pair_info, examples, prompt], **private)
         examples.input(h.on_example, examples, prompt, **private)
         with_ar.change(h.toggle_ar, with_ar, ar_box, **private)
-        timer.tick(h.waiting_tick, [left, right], [message, status, lane_1, lane_2, timer], **private)
+        waiting_outputs = [message, status, lane_1, lane_2, lane_ar, timer]
+        timer.tick(h.waiting_tick, [left, right], waiting_outputs, **private)
         for picker in (left, right):
             picker.change(h.on_race_change, [record, left, right], [lane_1, lane_2], **private)
         run_inputs = [prompt, pair, tau, beams, gamma, max_new, greedy, temperature, top_k, top_p, seed, with_ar]
@@ -156,13 +157,13 @@ def build() -> gr.Blocks:
         run_outputs += [record, run_json]
         run_opts = dict(concurrency_limit=1, concurrency_id="device", show_progress="hidden")
         run_opts["preprocess"] = False  # the handler checks every value itself, naming the field; nothing clamped
-        go = run_btn.click(h.arm, [left, right], [message, status, lane_1, lane_2, timer], **private)
+        go = run_btn.click(h.arm, [left, right], waiting_outputs, **private)
         go = go.then(h.run_page, run_inputs, run_outputs, api_visibility="private", **run_opts)
         reset_outputs = [v_lane, v_iter, v_tau, v_html, v_plot, wanted]
         shown = go.then(h.verify_reset, [record, v_lane, wanted], reset_outputs, **private)
         shown.then(h.link_html, [record, v_lane, v_iter], v_link, **private)
         go.then(h.race_after_run, record, race, **private)
-        stop_btn.click(h.stop, [left, right], [message, status, lane_1, lane_2, timer], **private)
+        stop_btn.click(h.stop, [left, right], waiting_outputs, **private)
         replay_outputs = [message, status, *lanes, cards, tokens_plot, accept_plot]
         replay_btn.click(h.replay_page, record, replay_outputs, api_visibility="private", show_progress="hidden")
         # the public API: the same work, ending in an error (with the page's words) when refused

@@ -352,6 +352,7 @@ def test_a_waiting_visitor_sees_their_place_in_the_queue(browser, server, page, 
     lane, status = second.locator("#lane-left"), second.locator("#status")
     assert "you are number 3 of 3 (2 runs ahead of you, 1 of them from the API" in lane.inner_text()
     assert "you are number 3 of 3" in status.inner_text()
+    assert "you are number 3 of 3" in second.locator("#lane-ar").inner_text()  # the AR lane waits too
     assert status.bounding_box()["height"] > 10 and status.is_visible()  # seen, not just in the DOM
     assert not re.search(r"\d/\d|ETA|estimat", status.inner_text())  # no made-up wait estimate
     before = status.inner_text()
@@ -371,6 +372,7 @@ def test_a_waiting_visitor_sees_their_place_in_the_queue(browser, server, page, 
     second.wait_for_timeout(2500)  # the ticker had time to put a stale position back, if it still ran
     assert "number" not in status.inner_text() and "number" not in lane.inner_text()
     assert second.locator('.mtad-lane[data-state="line"]').count() == 0
+    assert "number" not in second.locator("#lane-ar").inner_text()
     assert "Stopped while waiting in the queue" in second.locator("#message").inner_text()
     second.screenshot(path=str(OUT / "app_stopped_waiting.png"))
     third.wait_for_function("document.querySelector('#status').innerText.includes('number 3 of 3')", timeout=10_000)
@@ -408,7 +410,7 @@ def test_a_full_queue_says_so_and_leaves_nothing_waiting(browser, server, page, 
         assert "starts by itself" not in text and "number" not in text
     assert second.locator('.mtad-lane[data-state="line"]').count() == 0
     assert "the queue is full" in second.locator("#message").inner_text()  # stays, unlike a toast
-    second.screenshot(path=str(OUT / "app_queue_full.png"))
+    second.screenshot(path=str(OUT / "app_queue_full.png"), full_page=True)
 
     monkeypatch.undo()
     page.locator("#stop-btn").dispatch_event("click")

@@ -209,7 +209,7 @@ def shown_race(left: object, right: object) -> tuple[str, str]:
 
 
 def waiting_outputs(session: str, race: tuple[str, str] = DEFAULT_RACE) -> tuple | None:
-    """(message, status, lane, lane, keep ticking) for a session that pressed Run and has not started:
+    """(message, status, lane, lane, AR lane, keep ticking) for a session that pressed Run and has not started:
     its place in Gradio's queue, or, when its job never reached the queue (full), that it was not queued
     and nothing waits; None when there is nothing to say (not waiting, or first in line)."""
     place = LINE.place(session)
@@ -218,21 +218,25 @@ def waiting_outputs(session: str, race: tuple[str, str] = DEFAULT_RACE) -> tuple
     text = place_text(place)
     if place.state == "refused":
         LINE.leave(session)
-        lanes = [tokens.placeholder_html(m, "Not queued: the queue was full. Press Run to try again.") for m in race]
+        lanes = [
+            tokens.placeholder_html(m, "Not queued: the queue was full. Press Run to try again.") for m in (*race, "ar")
+        ]
         return message_html(text), f"Not run: {escape(text)}", *lanes, False
     if place.position <= 1:
-        return gr.skip(), gr.skip(), gr.skip(), gr.skip(), True
-    lanes = [tokens.placeholder_html(m, text, state="line") for m in race]
+        return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), True
+    lanes = [tokens.placeholder_html(m, text, state="line") for m in (*race, "ar")]
     return gr.skip(), f"**{text}**", *lanes, True
 
 
 def full_outputs(session: str, race: tuple[str, str]) -> tuple | None:
-    """(message, status, lane, lane) when Gradio's queue is full, so a Run now would not be queued."""
+    """(message, status, lane, lane, AR lane) when Gradio's queue is full, so a Run now would not be queued."""
     jobs = LINE.jobs() if LINE.jobs is not None else None
     if jobs is None or not jobs.full:
         return None
     text = full_text(jobs)
-    lanes = [tokens.placeholder_html(m, "Not queued: the queue was full. Press Run to try again.") for m in race]
+    lanes = [
+        tokens.placeholder_html(m, "Not queued: the queue was full. Press Run to try again.") for m in (*race, "ar")
+    ]
     return message_html(text), f"Not run: {escape(text)}", *lanes
 
 
@@ -264,10 +268,10 @@ def waiting_tick(left: str, right: str, request: gr.Request) -> tuple:
 
 
 def _tick(session: str, left: str, right: str, cleared: bool = False) -> tuple:
-    """(message, status, lane, lane, timer); ``cleared``: the old message goes even when nothing else changes."""
+    """(message, status, lane, lane, AR lane, timer); ``cleared``: the old message goes even when nothing else changes."""
     shown = waiting_outputs(session, shown_race(left, right))
     if shown is None:
-        return message_html() if cleared else gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.Timer(active=False)
+        return message_html() if cleared else gr.skip(), *(gr.skip(),) * 4, gr.Timer(active=False)
     *outs, ticking = shown
     if cleared and isinstance(outs[0], dict):  # gr.skip(): the old message goes
         outs[0] = message_html()
@@ -280,15 +284,15 @@ def stop(left: str, right: str, request: gr.Request) -> tuple:
     session = _session(request)
     waiting = LINE.place(session) is not None
     if not CANCELS.stop(session):
-        return message_html("nothing is running.", kind="info"), *(gr.skip(),) * 4
+        return message_html("nothing is running.", kind="info"), *(gr.skip(),) * 5
     if waiting:
         LINE.leave(session, stopped=True)
         note = "Stopped while waiting: press Run to queue again."
-        lanes = [tokens.placeholder_html(m, note) for m in shown_race(left, right)]
+        lanes = [tokens.placeholder_html(m, note) for m in (*shown_race(left, right), "ar")]
         text = "Stopped while waiting in the queue: the run left the queue and will not start."
         return message_html(text, kind="stop"), escape(text), *lanes, gr.Timer(active=False)
     text = "Stop pressed: the run ends after the iteration in progress; later lanes do not start."
-    return message_html(text, kind="stop"), *(gr.skip(),) * 4
+    return message_html(text, kind="stop"), *(gr.skip(),) * 5
 
 
 def unload(request: gr.Request) -> None:
