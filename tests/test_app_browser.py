@@ -415,6 +415,11 @@ def test_a_full_queue_says_so_and_leaves_nothing_waiting(browser, server, page, 
     monkeypatch.undo()
     page.locator("#stop-btn").dispatch_event("click")
     assert api_job.result(timeout=120)[-1]["lanes"]["mtad"]["state"] == "done"
+    # with room in the queue again, the refused visitor's next Run goes through
+    set_number(second, "max-new", 8)
+    second.locator("#run-btn").click()
+    second.wait_for_selector(DONE.format("right"), timeout=120_000)
+    assert "queue is full" not in second.locator("#status").inner_text()
     ctx.close()
 
 
