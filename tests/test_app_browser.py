@@ -580,3 +580,40 @@ def test_the_page_reads_at_400_px(browser, server):
     pg.screenshot(path=str(OUT / "app_400px_panel.png"))
     pg.screenshot(path=str(OUT / "app_400px.png"), full_page=True)
     ctx.close()
+
+
+def test_a_looping_lane_s_card_warns_next_to_its_perplexity(page, monkeypatch):
+    """A decoder that repeats a four-token phrase: its card says the text loops, beside a low perplexity."""
+    from mtad.events import Step
+    from mtad.ui import runner
+
+    def looping(pair, prompt_ids, settings):
+        for i in range(20):
+            yield Step(
+                index=i,
+                method=settings.method,
+                appended_ids=[[5, 6, 7, 8][i % 4]],
+                from_target=[True],
+                target_logprobs=[-0.05],
+                target_calls=1,
+                target_seconds=0.001,
+            )
+
+    monkeypatch.setattr(runner, "decode", looping)
+    run_prompt(page, "abc")
+    page.wait_for_selector('#lane-ar .mtad-lane[data-state="done"]', timeout=60_000)
+    card = page.locator('#cards .mtad-card[data-method="mtad"]')
+    card.locator(".card-loop").wait_for(timeout=30_000)
+    # 20 tokens, 17 four-grams, the last 13 repeat the first four: 76 %
+    assert "This text repeats itself (76% of its 4-grams)" in card.locator(".card-loop").inner_text()
+    assert card.locator(".card-loop").is_visible()
+    cells = card.locator(".card-cell")
+    values = {
+        cells.nth(i).locator(".card-label").inner_text(): cells.nth(i).locator(".card-value").inner_text()
+        for i in range(cells.count())
+    }
+    assert values["repeated 4-grams"] == "76%" and values["perplexity"] == "1.05"  # exp(0.05)
+    assert page.locator("#cards .card-loop").count() == 3  # every lane looped, every card says so
+    assert card.locator(".card-loop-tag").inner_text() == "the text loops (see below)"
+    card.scroll_into_view_if_needed()
+    page.screenshot(path=str(OUT / "app_loop_warning.png"))

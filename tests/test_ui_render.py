@@ -144,6 +144,8 @@ def test_a_looping_card_says_so_next_to_its_perplexity_and_a_fresh_one_does_not(
     assert card_cells(html)["perplexity"] == f"{math.exp(0.1):.3g}"  # low: the loop is easy to predict
     assert 'class="card-note card-loop">This text repeats itself (76% of its 4-grams)' in html
     assert "its low perplexity rewards the loop, not better text" in html
+    perplexity_cell = html.split('<div class="card-label">perplexity</div>')[1].split('<div class="card-cell"')[0]
+    assert perplexity_cell.startswith('<div class="card-loop-tag">the text loops (see below)</div>')
     seven = [1, 2, 3, 4, 5, 6, 7]  # 4 four-grams, none repeated
     fresh = lane_of("mtad", [Step(0, "mtad", appended_ids=seven, from_target=[True] * 7, target_logprobs=[-1.0] * 7)])
     fresh_html = cards.card_html(fresh)

@@ -60,10 +60,11 @@ def card_html(lane: LaneRecord, ar: Metrics | None = None) -> str:
         ),
         ("target calls", str(m.target_calls), "target forward passes"),
     ]
+    loop_tag = '<div class="card-loop-tag">the text loops (see below)</div>' if m.loops else ""
     cells = "".join(
         f'<div class="card-cell" title="{escape(tip, quote=True)}">'
         f'<div class="card-value{" na" if v.startswith("n/a") else ""}">{escape(v)}</div>'
-        f'<div class="card-label">{escape(k)}</div></div>'
+        f'<div class="card-label">{escape(k)}</div>{loop_tag if k == "perplexity" else ""}</div>'
         for k, v, tip in rows
     )
     split = (
