@@ -14,6 +14,7 @@ import gradio as gr
 
 from mtad.ui import availability
 from mtad.ui import handlers as h
+from mtad.ui import race as race_view
 from mtad.ui.explain import EXPLAIN, INTRO
 from mtad.ui.inputs import (
     BEAMS_RANGE,
@@ -30,6 +31,7 @@ from mtad.ui.inputs import (
 )
 from mtad.ui.record import LABELS
 from mtad.ui.tokens import legend_html
+from mtad.ui.waiting import LINE
 
 CSS = (Path(__file__).resolve().parent / "assets" / "app.css").read_text()
 THEME = gr.themes.Soft(primary_hue="blue", neutral_hue="slate")
@@ -45,6 +47,7 @@ def build() -> gr.Blocks:
     private = {"queue": False, "api_visibility": "private"}
     with gr.Blocks(title="MTAD vs speculative decoding") as demo:
         record = gr.State(None)
+        wanted = gr.State(None)  # a link's lane and iteration, opened after the next run
         timer = gr.Timer(1.0, active=False)
         gr.Markdown(INTRO)
         gr.Markdown(f"This server decodes on: **{h.server_device()}**", elem_classes="device-line")
@@ -73,7 +76,11 @@ def build() -> gr.Blocks:
                     first, second = h.DEFAULT_RACE
                     left = gr.Dropdown(racers, value=first, label="Left lane", elem_id="left-method")
                     right = gr.Dropdown(racers, value=second, label="Right lane", elem_id="right-method")
-                with_ar = gr.Checkbox(False, label="Add an autoregressive (AR) baseline lane")
+                with_ar = gr.Checkbox(
+                    True,
+                    label="Autoregressive (AR) baseline lane: each card's “× AR” compares with it",
+                    elem_id="with-ar",
+                )
             with gr.Column(scale=2):
                 with gr.Row():
                     tau = number(DEFAULTS.tau, "τ (MTAD threshold)", TAU_RANGE, "tau")
@@ -97,11 +104,19 @@ def build() -> gr.Blocks:
         status = gr.Markdown(
             "Nothing run yet: pick or type a prompt and press **Run**.", label="status", elem_id="status"
         )
+        race = gr.HTML(race_view.recorded_race_html(), label="race", elem_id="race")
         gr.HTML(legend_html())
+        reply = "reply only (hide the prompt and rejected drafts)"
         with gr.Row(equal_height=True):
-            lane_1 = gr.HTML(h.lane_box(None, h.DEFAULT_RACE[0]), label="lane_1", elem_id="lane-left")
-            lane_2 = gr.HTML(h.lane_box(None, h.DEFAULT_RACE[1]), label="lane_2", elem_id="lane-right")
-        lane_ar = gr.HTML(h.lane_box(None, "ar"), label="lane_ar", elem_id="lane-ar", visible=False)
+            with gr.Column(min_width=300):
+                lane_1 = gr.HTML(h.lane_box(None, h.DEFAULT_RACE[0]), label="lane_1", elem_id="lane-left")
+                gr.Checkbox(False, label=reply, elem_id="reply-left", container=False)
+            with gr.Column(min_width=300):
+                lane_2 = gr.HTML(h.lane_box(None, h.DEFAULT_RACE[1]), label="lane_2", elem_id="lane-right")
+                gr.Checkbox(False, label=reply, elem_id="reply-right", container=False)
+        with gr.Column() as ar_box:
+            lane_ar = gr.HTML(h.lane_box(None, "ar"), label="lane_ar", elem_id="lane-ar")
+            gr.Checkbox(False, label=reply, elem_id="reply-ar", container=False)
         cards = gr.HTML(label="cards", elem_id="cards")
         with gr.Row():
             tokens_plot = gr.Plot(label="Tokens vs seconds", elem_id="plot-tokens")
@@ -109,22 +124,30 @@ def build() -> gr.Blocks:
         energy_plot = gr.Plot(label="Power and energy", visible=False, elem_id="plot-energy")
         energy_note = gr.HTML(label="energy_note", elem_id="energy-note")
         gr.Markdown("## Verification panel\nPick an iteration of either lane; move τ to re-judge its recorded draft.")
-        with gr.Row():
+        with gr.Row(elem_id="v-controls"):
             v_lane = gr.Radio(h.lane_choices(), value=h.DEFAULT_RACE[-1], label="Lane", scale=1, elem_id="v-lane")
-            v_iter = gr.Slider(1, 2, value=1, step=1, label="Iteration", scale=2, elem_id="v-iter")
+            with gr.Column(scale=2, min_width=220):
+                v_iter = gr.Slider(1, 2, value=1, step=1, label="Iteration", elem_id="v-iter")
+                with gr.Row():
+                    v_prev = gr.Button("◀ previous", size="sm", elem_id="v-prev", min_width=60)
+                    v_next = gr.Button("next ▶", size="sm", elem_id="v-next", min_width=60)
             v_tau = gr.Slider(0, 1, value=DEFAULTS.tau, step=0.01, label="τ to judge with", scale=2, elem_id="v-tau")
-        with gr.Row():
+        v_link = gr.HTML(elem_id="v-link")
+        with gr.Row(elem_id="v-row"):
             v_html = gr.HTML(h.verify_view(None, h.DEFAULT_RACE[-1], 1, DEFAULTS.tau)[0], elem_id="v-panel")
             v_plot = gr.Plot(label="Verification", elem_id="v-plot")
         gr.Markdown(EXPLAIN)
         with gr.Accordion("Run data (JSON: settings, metrics, every step)", open=False):
             run_json = gr.JSON(label="run_data")
 
-        demo.load(h.pair_dropdown, pair, pair, **private)
+        link_inputs = [prompt, tau, beams, gamma, max_new, greedy, temperature, top_k, top_p, seed, with_ar]
+        link_inputs += [left, right, num_drafts, tau1, tau2]
+        demo.load(h.from_query, pair, [pair, *link_inputs, wanted, message], **private)
         pair.change(h.on_pair_change, [pair, prompt], [pair_info, examples, prompt], **private)
         examples.input(h.on_example, examples, prompt, **private)
-        with_ar.change(h.toggle_ar, with_ar, lane_ar, **private)
-        timer.tick(h.waiting_tick, [left, right], [status, lane_1, lane_2, timer], **private)
+        with_ar.change(h.toggle_ar, with_ar, ar_box, **private)
+        waiting_outputs = [message, status, lane_1, lane_2, lane_ar, timer]
+        timer.tick(h.waiting_tick, [left, right], waiting_outputs, **private)
         for picker in (left, right):
             picker.change(h.on_race_change, [record, left, right], [lane_1, lane_2], **private)
         run_inputs = [prompt, pair, tau, beams, gamma, max_new, greedy, temperature, top_k, top_p, seed, with_ar]
@@ -134,10 +157,13 @@ def build() -> gr.Blocks:
         run_outputs += [record, run_json]
         run_opts = dict(concurrency_limit=1, concurrency_id="device", show_progress="hidden")
         run_opts["preprocess"] = False  # the handler checks every value itself, naming the field; nothing clamped
-        go = run_btn.click(h.arm, [left, right], [message, status, lane_1, lane_2, timer], **private)
+        go = run_btn.click(h.arm, [left, right], waiting_outputs, **private)
         go = go.then(h.run_page, run_inputs, run_outputs, api_visibility="private", **run_opts)
-        go.then(h.verify_reset, [record, v_lane], [v_lane, v_iter, v_tau, v_html, v_plot], **private)
-        stop_btn.click(h.stop, None, message, **private)
+        reset_outputs = [v_lane, v_iter, v_tau, v_html, v_plot, wanted]
+        shown = go.then(h.verify_reset, [record, v_lane, wanted], reset_outputs, **private)
+        shown.then(h.link_html, [record, v_lane, v_iter], v_link, **private)
+        go.then(h.race_after_run, record, race, **private)
+        stop_btn.click(h.stop, [left, right], waiting_outputs, **private)
         replay_outputs = [message, status, *lanes, cards, tokens_plot, accept_plot]
         replay_btn.click(h.replay_page, record, replay_outputs, api_visibility="private", show_progress="hidden")
         # the public API: the same work, ending in an error (with the page's words) when refused
@@ -147,8 +173,13 @@ def build() -> gr.Blocks:
         v_lane.change(h.verify_lane, [record, v_lane, v_tau], [v_iter, v_html, v_plot], **private)
         for widget in (v_iter, v_tau):
             widget.change(h.verify_view, [record, v_lane, v_iter, v_tau], [v_html, v_plot], **private)
+        for widget in (v_lane, v_iter):
+            widget.change(h.link_html, [record, v_lane, v_iter], v_link, **private)
+        v_prev.click(h.previous_iteration, [record, v_lane, v_iter], v_iter, **private)
+        v_next.click(h.next_iteration, [record, v_lane, v_iter], v_iter, **private)
         demo.unload(h.unload)
     demo.queue(max_size=QUEUE_SIZE, default_concurrency_limit=1)
+    LINE.attach(demo)
     return demo
 
 

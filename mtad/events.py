@@ -20,6 +20,12 @@ class Step:
     ``log_p`` and ``log_q`` describe it) and ``candidate_kept`` (per candidate, how many of its leading
     tokens were kept). ``accepted`` stays the number of draft tokens appended, so acceptance is
     accepted / ``len(draft_ids)`` for every method (docs/methods.md).
+
+    For the page's verification panel, Spectr and SpecInfer fill ``walk`` (per position judged: the
+    candidate tokens tried in order, their p(x), q(x) and uniform draws, Spectr's rho, the residual's
+    top [token, probability] pairs after rejections, the accepted try or the token drawn instead), and
+    BiLD fills ``draft_top_q`` (the little model's top probability at each position it checked against
+    tau1; one more than the drafts when it fell back).
     """
 
     index: int
@@ -38,6 +44,8 @@ class Step:
     candidates: list[list[int]] | None = None
     chosen: int | None = None
     candidate_kept: list[int] | None = None
+    walk: list[dict] | None = None
+    draft_top_q: list[float] | None = None
     target_calls: int = 0
     draft_calls: int = 0
     draft_seconds: float = 0.0

@@ -140,6 +140,14 @@ def repetition(ids: Sequence[int], n: int = REPEAT_N) -> float | None:
     return repeated / total if total else None
 
 
+def speedup(run: Metrics, baseline: Metrics) -> float | None:
+    """``run``'s tokens per second over ``baseline``'s (the page's "× AR": both lanes of the same run, on
+    the same device); None when the baseline has no speed."""
+    if not baseline.tokens_per_second or not math.isfinite(baseline.tokens_per_second):
+        return None
+    return run.tokens_per_second / baseline.tokens_per_second
+
+
 def perplexity(target_logprobs: Sequence[float]) -> float:
     """exp(-mean log p_target) over the new tokens (unwarped target, T=1; paper eq. 1)."""
     if not target_logprobs:

@@ -78,15 +78,18 @@ def main() -> int:
         page = browser.new_context(viewport=VIEW).new_page()
         page.goto(url)
         page.wait_for_selector("#run-btn", timeout=120_000)
-        page.wait_for_timeout(500)
+        page.wait_for_selector("#race .race-row", timeout=60_000)
+        page.wait_for_timeout(3000)  # the recorded race plays for a few seconds
         page.screenshot(path=str(OUT / "first_visit.png"))
         print("wrote docs/screenshots/first_visit.png")
 
         set_number(page, "max-new", args.max_new)
         page.locator("#run-btn").click()
-        for lane in ("left", "right"):
+        for lane in ("left", "right", "ar"):
             page.wait_for_selector(f'#lane-{lane} .mtad-lane[data-state="done"]', timeout=600_000)
         page.wait_for_selector("#plot-tokens .js-plotly-plot .main-svg", timeout=60_000)
+        page.wait_for_function("document.querySelector('#race').innerText.includes(\"This run's race\")")
+        page.wait_for_timeout(3000)
         show(page, "#status", OUT / "run.png")
 
         page.wait_for_selector("#v-panel .v-eta", timeout=60_000)
@@ -104,6 +107,32 @@ def main() -> int:
             if both is not None:
                 open_iteration(page, both)
         show(page, "#v-lane", OUT / "verify.png")
+
+        # Spectr against BiLD, sampled: each panel in its own rule's terms
+        page.evaluate("window.scrollTo(0, 0)")
+        for elem_id, label in (("left-method", "Spectr"), ("right-method", "BiLD")):
+            page.locator(f"#{elem_id} input").click()
+            page.locator(f"#{elem_id}").get_by_role("option", name=label, exact=True).click()
+        set_number(page, "max-new", 32)
+        page.locator("#run-btn").click()
+        page.wait_for_selector('#lane-ar .mtad-lane[data-state="done"]', timeout=600_000)
+        page.get_by_label("Spectr", exact=True).check()
+        page.wait_for_function("document.querySelector('#v-panel').innerText.includes('min(1, p/(ρq))')")
+        page.wait_for_timeout(1000)
+        show(page, "#v-lane", OUT / "spectr.png")
+        page.get_by_label("BiLD", exact=True).check()
+        page.wait_for_function("document.querySelector('#v-panel').innerText.includes('little model')")
+        for it in range(2, 21):  # an iteration where the little model drafted, if there is one
+            if "≥ τ1" in page.locator("#v-panel").inner_text():
+                break
+            open_iteration(page, it)
+        page.wait_for_timeout(1000)
+        show(page, "#v-lane", OUT / "bild.png")
+        narrow = browser.new_context(viewport={"width": 400, "height": 860}).new_page()
+        narrow.goto(url)
+        narrow.wait_for_selector("#race .race-row", timeout=120_000)
+        show(narrow, "#status", OUT / "narrow.png")
+        narrow.context.close()
 
         # a second visitor presses Run while the first visitor's long run holds the device
         page.evaluate("window.scrollTo(0, 0)")

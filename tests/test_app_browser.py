@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 sync_api = pytest.importorskip("playwright.sync_api")
+gradio_client = pytest.importorskip("gradio_client")
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 if not Path(CHROMIUM).exists():
     pytest.skip("Debian's chromium is not installed", allow_module_level=True)
@@ -189,7 +190,7 @@ def test_out_of_range_value_is_refused_by_name_not_clamped(page, elem_id, value,
 def pick(page, elem_id: str, label: str) -> None:
     """Choose ``label`` in a dropdown, as a visitor does."""
     page.locator(f"#{elem_id} input").click()
-    page.get_by_role("option", name=label, exact=True).click()
+    page.locator(f"#{elem_id}").get_by_role("option", name=label, exact=True).click()
 
 
 def test_visitor_races_two_other_decoders(page):
@@ -302,7 +303,17 @@ def test_stop_during_a_long_run_ends_it_within_one_iteration_and_says_so(page, m
     assert not runner.DEVICE_LOCK.locked()
 
 
-def test_a_waiting_visitor_sees_their_place_in_the_queue(browser, server, page, monkeypatch):
+def open_page(browser, server):
+    """A second visitor's page, ready to press Run."""
+    ctx = browser.new_context(viewport={"width": 1400, "height": 1000})
+    pg = ctx.new_page()
+    pg.goto(server["url"])
+    pg.wait_for_selector("#run-btn", timeout=60_000)
+    return ctx, pg
+
+
+def start_endless_run(page, monkeypatch) -> None:
+    """The first visitor's run holds the device until Stop (its decoder never reaches EOS)."""
     from mtad.ui import runner
 
     monkeypatch.setattr(runner, "decode", endless_decode)
@@ -311,17 +322,37 @@ def test_a_waiting_visitor_sees_their_place_in_the_queue(browser, server, page, 
     page.locator("#run-btn").click()
     page.wait_for_selector("#lane-left .tok", timeout=60_000)
 
-    ctx = browser.new_context(viewport={"width": 1400, "height": 1000})
-    second = ctx.new_page()
-    second.goto(server["url"])
-    second.wait_for_selector("#run-btn", timeout=60_000)
+
+def queue_api_job(server):
+    """An API client's ``/run`` (8 tokens), queued behind the running one."""
+    from test_app_client import args
+
+    client = gradio_client.Client(server["url"], verbose=False)
+    job = client.submit(*args(max_new=8), api_name="/run")
+    queue = server["app"].demo._queue
+    deadline = time.time() + 30
+    while time.time() < deadline and not queue.event_queue_per_concurrency_id["device"].queue:
+        time.sleep(0.05)
+    assert queue.event_queue_per_concurrency_id["device"].queue, "the API job never reached the queue"
+    return job
+
+
+def test_a_waiting_visitor_sees_their_place_in_the_queue(browser, server, page, monkeypatch):
+    """Positions count every queued job, an API client's too; Stop while waiting clears the place at once."""
+    start_endless_run(page, monkeypatch)
+    api_job = queue_api_job(server)  # number 2 in line, from the API
+
+    ctx, second = open_page(browser, server)
     set_number(second, "max-new", 8)
     second.locator("#prompt textarea").fill("abc")
     second.locator("#run-btn").click()
-    second.wait_for_selector('#lane-left .mtad-lane[data-state="line"]', timeout=30_000)
+    second.wait_for_function(
+        "document.querySelector('#lane-left').innerText.includes('you are number 3')", timeout=30_000
+    )
     lane, status = second.locator("#lane-left"), second.locator("#status")
-    assert "you are number 2 of 2 (1 run ahead of you" in lane.inner_text()
-    assert "you are number 2 of 2" in status.inner_text()
+    assert "you are number 3 of 3 (2 runs ahead of you, 1 of them from the API" in lane.inner_text()
+    assert "you are number 3 of 3" in status.inner_text()
+    assert "you are number 3 of 3" in second.locator("#lane-ar").inner_text()  # the AR lane waits too
     assert status.bounding_box()["height"] > 10 and status.is_visible()  # seen, not just in the DOM
     assert not re.search(r"\d/\d|ETA|estimat", status.inner_text())  # no made-up wait estimate
     before = status.inner_text()
@@ -329,13 +360,66 @@ def test_a_waiting_visitor_sees_their_place_in_the_queue(browser, server, page, 
     assert "has been going for" in status.inner_text()  # the ticker keeps it current
     second.screenshot(path=str(OUT / "app_queued.png"))
 
-    # the first run ends (a background tab paints no frames, so Playwright's click would wait forever
-    # for it to settle: send the click event itself); the second run starts by itself
-    monkeypatch.undo()  # the waiting run decodes for real (the running one keeps its endless decoder)
-    page.locator("#stop-btn").dispatch_event("click")
-    second.wait_for_selector(DONE.format("right"), timeout=120_000)
-    assert "number 2" not in second.locator("#status").inner_text()
+    # a third visitor counts the second one; once the second stops waiting, it no longer does
+    ctx3, third = open_page(browser, server)
+    set_number(third, "max-new", 8)
+    third.locator("#prompt textarea").fill("abc")
+    third.locator("#run-btn").click()
+    third.wait_for_function("document.querySelector('#status').innerText.includes('number 4 of 4')", timeout=30_000)
+
+    second.locator("#stop-btn").click()
+    second.wait_for_function("document.querySelector('#status').innerText.includes('Stopped while waiting')")
+    second.wait_for_timeout(2500)  # the ticker had time to put a stale position back, if it still ran
+    assert "number" not in status.inner_text() and "number" not in lane.inner_text()
     assert second.locator('.mtad-lane[data-state="line"]').count() == 0
+    assert "number" not in second.locator("#lane-ar").inner_text()
+    assert "Stopped while waiting in the queue" in second.locator("#message").inner_text()
+    second.screenshot(path=str(OUT / "app_stopped_waiting.png"))
+    third.wait_for_function("document.querySelector('#status').innerText.includes('number 3 of 3')", timeout=10_000)
+
+    # the first run ends (a background tab paints no frames, so Playwright's click would wait forever
+    # for it to settle: send the click event itself); the API job, then the third run start by themselves
+    monkeypatch.undo()  # the waiting runs decode for real (the running one keeps its endless decoder)
+    page.locator("#stop-btn").dispatch_event("click")
+    assert api_job.result(timeout=120)[-1]["lanes"]["mtad"]["state"] == "done"
+    third.wait_for_selector(DONE.format("right"), timeout=120_000)
+    assert "number" not in third.locator("#status").inner_text()
+    assert third.locator('.mtad-lane[data-state="line"]').count() == 0
+    assert second.locator("#lane-left .tok, #lane-right .tok").count() == 0  # stopped while waiting: never ran
+    ctx.close()
+    ctx3.close()
+
+
+def test_a_full_queue_says_so_and_leaves_nothing_waiting(browser, server, page, monkeypatch):
+    """Gradio refuses a job when its queue is full: the page says so, and no waiting notice stays behind."""
+    queue = server["app"].demo._queue
+    start_endless_run(page, monkeypatch)
+    monkeypatch.setattr(queue, "max_size", 1)
+    api_job = queue_api_job(server)  # the one place in line is taken
+
+    ctx, second = open_page(browser, server)
+    second.locator("#prompt textarea").fill("abc")
+    second.locator("#run-btn").click()
+    second.wait_for_function("document.querySelector('#message').innerText.includes('the queue is full')")
+    second.wait_for_timeout(5000)  # past the grace a Run has to reach the queue, and past Gradio's toast
+    status = second.locator("#status").inner_text()
+    lanes = second.locator("#lane-left").inner_text() + second.locator("#lane-right").inner_text()
+    assert "Not run: the queue is full (1 run waiting, the most this server keeps)" in status
+    assert "nothing is waiting for you" in status
+    for text in (status, lanes):
+        assert "starts by itself" not in text and "number" not in text
+    assert second.locator('.mtad-lane[data-state="line"]').count() == 0
+    assert "the queue is full" in second.locator("#message").inner_text()  # stays, unlike a toast
+    second.screenshot(path=str(OUT / "app_queue_full.png"), full_page=True)
+
+    monkeypatch.undo()
+    page.locator("#stop-btn").dispatch_event("click")
+    assert api_job.result(timeout=120)[-1]["lanes"]["mtad"]["state"] == "done"
+    # with room in the queue again, the refused visitor's next Run goes through
+    set_number(second, "max-new", 8)
+    second.locator("#run-btn").click()
+    second.wait_for_selector(DONE.format("right"), timeout=120_000)
+    assert "queue is full" not in second.locator("#status").inner_text()
     ctx.close()
 
 
@@ -357,3 +441,179 @@ def test_closing_the_tab_stops_the_run(browser, server, monkeypatch):
         time.sleep(0.1)
     assert [(m, s) for m, s, _ in runner.HISTORY] == [("sd", "stopped")]
     assert not runner.DEVICE_LOCK.locked()
+
+
+def test_first_visit_shows_a_recorded_race_and_the_ar_lane(page):
+    """Before anyone presses Run: a race recorded on a named device, and the AR lane in the page (on)."""
+    import json
+
+    recorded = json.loads((Path(__file__).resolve().parent.parent / "assets" / "race.json").read_text())
+    race = page.locator("#race .mtad-race")
+    race.wait_for(timeout=30_000)
+    assert recorded["device"] in race.inner_text() and recorded["pair"] in race.inner_text()
+    rows = page.locator("#race .race-row")
+    assert [rows.nth(i).get_attribute("data-method") for i in range(rows.count())] == ["sd", "mtad", "ar"]
+    bar = page.evaluate(
+        "() => { const s = getComputedStyle(document.querySelector('#race .race-bar'));"
+        " return [s.animationName, s.animationDuration, s.animationTimingFunction]; }"
+    )
+    assert bar[0] == "mtad-race" and bar[1].endswith("s") and bar[2].startswith("linear(")  # it plays by itself
+    for lane in recorded["lanes"]:
+        if lane["times_ar"] is not None:
+            assert f"{lane['times_ar']:.2f}× AR" in race.inner_text()
+    assert page.locator("#with-ar input").is_checked()
+    ar = page.locator('#lane-ar .mtad-lane[data-method="ar"]')
+    assert ar.is_visible() and "Autoregressive" in ar.inner_text()
+    page.wait_for_timeout(1000)
+    page.screenshot(path=str(OUT / "app_first_visit.png"))
+
+
+def test_sampled_spectr_and_bild_panels_teacher_mode_link_and_reply_view(browser, server, page):
+    """Spectr and BiLD raced with sampling: each panel shows its own rule's figures; previous / next walk the
+    iterations; the link reopens the page with the run's inputs and opens the panel at its iteration."""
+    pick(page, "left-method", "Spectr")
+    pick(page, "right-method", "BiLD")
+    page.get_by_text("Other decoders (Spectr, SpecInfer, BiLD)").click()
+    set_number(page, "num-drafts", 3)
+    set_number(page, "tau1", 0)  # the tiny pair's little model is never sure: with τ1 = 0 it drafts every time
+    set_number(page, "max-new", 24)
+    page.get_by_text("Sampling").click()
+    set_number(page, "seed", 11)
+    run_prompt(page, "abc def abc bad")
+    page.wait_for_selector('#lane-ar .mtad-lane[data-state="done"]', timeout=120_000)
+
+    # the cards and the race: each lane against the same run's AR lane
+    cards = page.locator("#cards")
+    page.wait_for_function("document.querySelector('#cards').innerText.includes('× AR')")
+    assert re.search(r"\d\.\d\d×", cards.inner_text())
+    page.wait_for_function("document.querySelector('#race').innerText.includes(\"This run's race\")")
+    assert page.locator("#race .race-row").count() == 3
+
+    panel = page.locator("#v-panel")
+    page.get_by_label("Spectr", exact=True).check()
+    page.wait_for_function("document.querySelector('#v-panel').innerText.includes('min(1, p/(ρq))')")
+    text = panel.inner_text()
+    assert "ρ" in text and "(greedy)" not in text and "u_i" not in text and "warped laws" in text
+    page.wait_for_function(
+        "document.querySelector('#v-plot .gtitle')?.textContent.startsWith(\"Spectr: each try's acceptance\")",
+        timeout=30_000,
+    )
+    panel.scroll_into_view_if_needed()
+    page.screenshot(path=str(OUT / "app_spectr_panel.png"), full_page=True)
+
+    # previous / next
+    page.locator("#v-next").click()
+    page.wait_for_function("document.querySelector('#v-panel').innerText.includes('Spectr · iteration 2 of')")
+    page.locator("#v-next").click()
+    page.wait_for_function("document.querySelector('#v-panel').innerText.includes('Spectr · iteration 3 of')")
+    page.locator("#v-prev").click()
+    page.wait_for_function("document.querySelector('#v-panel').innerText.includes('Spectr · iteration 2 of')")
+    page.wait_for_function("document.querySelector('#v-link a')?.href.includes('it=2')")
+    href = page.locator("#v-link a").get_attribute("href")
+    for part in ("left=spectr", "right=bild", "m=3", "tau1=0.0", "max_new=24", "seed=11", "lane=spectr", "ar=1"):
+        assert part in href, (part, href)
+
+    page.get_by_label("BiLD", exact=True).check()
+    page.wait_for_function("document.querySelector('#v-panel').innerText.includes('little model')")
+    text = panel.inner_text()
+    assert re.search(r"τ1 = 0 \(fallback", text) and re.search(r"τ2 = 2 nats \(rollback", text)
+    assert re.search(r"\d\.\d\d\d ≥ τ1", text) and "(greedy)" not in text
+    page.wait_for_function(
+        "document.querySelector('#v-plot .gtitle')?.textContent.startsWith('BiLD: each draft token')",
+        timeout=30_000,
+    )
+    panel.scroll_into_view_if_needed()
+    page.screenshot(path=str(OUT / "app_bild_panel.png"), full_page=True)
+
+    # reading view: the left lane's prompt and rejected drafts go, the right lane keeps its colours
+    rejected = page.locator("#lane-left .tok-rej")
+    assert rejected.count() > 0 and rejected.first.is_visible()
+    page.locator("#reply-left input").check()
+    assert not rejected.first.is_visible() and not page.locator("#lane-left .tok-prompt").is_visible()
+    assert page.locator("#lane-right .tok-prompt").is_visible()
+    page.locator("#lane-left").scroll_into_view_if_needed()
+    page.screenshot(path=str(OUT / "app_reply_only.png"))
+
+    # the link: a new page with the run's inputs; Run there opens the panel at iteration 2 of Spectr
+    ctx = browser.new_context(viewport={"width": 1400, "height": 1000})
+    linked = ctx.new_page()
+    linked.goto(server["url"] + href)
+    linked.wait_for_selector("#run-btn", timeout=60_000)
+    linked.wait_for_function("document.querySelector('#message').innerText.includes('Opened from a link')")
+    assert linked.locator("#prompt textarea").input_value() == "abc def abc bad"
+    assert linked.locator("#left-method input").input_value() == "Spectr"
+    assert linked.locator("#right-method input").input_value() == "BiLD"
+    assert linked.locator("#max-new input[type=number]").input_value() == "24"
+    linked.get_by_text("Sampling").click()
+    linked.get_by_text("Other decoders (Spectr, SpecInfer, BiLD)").click()
+    assert linked.locator("#seed input[type=number]").input_value() == "11"
+    assert linked.locator("#num-drafts input[type=number]").input_value() == "3"
+    assert linked.locator("#tau1 input[type=number]").input_value() == "0"
+    linked.locator("#run-btn").click()
+    linked.wait_for_selector('#lane-ar .mtad-lane[data-state="done"]', timeout=120_000)
+    linked.wait_for_function("document.querySelector('#v-panel').innerText.includes('Spectr · iteration 2 of')")
+    same = [page.locator(f"#lane-{s} .lane-body").inner_text() for s in ("right",)]
+    assert [linked.locator("#lane-right .lane-body").inner_text()] == same  # same seed, same tokens
+    ctx.close()
+
+
+def test_the_page_reads_at_400_px(browser, server):
+    """A phone-width page: the panel's table and chart do not overlap, nothing runs off the right edge."""
+    ctx = browser.new_context(viewport={"width": 400, "height": 900})
+    pg = ctx.new_page()
+    pg.goto(server["url"])
+    pg.wait_for_selector("#run-btn", timeout=60_000)
+    pg.get_by_text("Sampling").click()
+    pg.get_by_label("greedy (argmax everywhere)").check()
+    set_number(pg, "max-new", 16)
+    run_prompt(pg, "abc def abc bad")
+    pg.wait_for_selector("#v-panel .v-eta", timeout=60_000)
+    pg.wait_for_selector("#v-plot .js-plotly-plot .main-svg", timeout=30_000)
+    table, plot = pg.locator("#v-panel").bounding_box(), pg.locator("#v-plot").bounding_box()
+    assert table["y"] + table["height"] <= plot["y"] + 1, (table, plot)  # the chart sits below the table
+    assert table["x"] + table["width"] <= 400 + 1 and plot["x"] + plot["width"] <= 400 + 1
+    assert pg.evaluate("document.documentElement.scrollWidth") <= 400  # no sideways scrolling of the page
+    for box in ("#cards", "#race", "#lane-left", "#lane-right"):
+        b = pg.locator(box).bounding_box()
+        assert b["x"] >= 0 and b["x"] + b["width"] <= 400 + 1, (box, b)
+    pg.locator("#v-panel").scroll_into_view_if_needed()
+    pg.screenshot(path=str(OUT / "app_400px_panel.png"))
+    pg.screenshot(path=str(OUT / "app_400px.png"), full_page=True)
+    ctx.close()
+
+
+def test_a_looping_lane_s_card_warns_next_to_its_perplexity(page, monkeypatch):
+    """A decoder that repeats a four-token phrase: its card says the text loops, beside a low perplexity."""
+    from mtad.events import Step
+    from mtad.ui import runner
+
+    def looping(pair, prompt_ids, settings):
+        for i in range(20):
+            yield Step(
+                index=i,
+                method=settings.method,
+                appended_ids=[[5, 6, 7, 8][i % 4]],
+                from_target=[True],
+                target_logprobs=[-0.05],
+                target_calls=1,
+                target_seconds=0.001,
+            )
+
+    monkeypatch.setattr(runner, "decode", looping)
+    run_prompt(page, "abc")
+    page.wait_for_selector('#lane-ar .mtad-lane[data-state="done"]', timeout=60_000)
+    card = page.locator('#cards .mtad-card[data-method="mtad"]')
+    card.locator(".card-loop").wait_for(timeout=30_000)
+    # 20 tokens, 17 four-grams, the last 13 repeat the first four: 76 %
+    assert "This text repeats itself (76% of its 4-grams)" in card.locator(".card-loop").inner_text()
+    assert card.locator(".card-loop").is_visible()
+    cells = card.locator(".card-cell")
+    values = {
+        cells.nth(i).locator(".card-label").inner_text(): cells.nth(i).locator(".card-value").inner_text()
+        for i in range(cells.count())
+    }
+    assert values["repeated 4-grams"] == "76%" and values["perplexity"] == "1.05"  # exp(0.05)
+    assert page.locator("#cards .card-loop").count() == 3  # every lane looped, every card says so
+    assert card.locator(".card-loop-tag").inner_text() == "the text loops (see below)"
+    card.scroll_into_view_if_needed()
+    page.screenshot(path=str(OUT / "app_loop_warning.png"))

@@ -221,6 +221,23 @@ def test_refusal_stays_on_the_page_in_the_message_area(client):
     assert shown[1].startswith("Not run: τ (MTAD threshold) must be a number from 0 to 1")
 
 
+def test_a_prompt_over_the_operator_s_cap_is_refused_by_name(client, monkeypatch):
+    from mtad.ui.runner import PAIRS
+
+    prompt = "abc def " * 20
+    n = len(encode_prompt(PAIRS.get(PAIR), prompt, Settings()))  # counted independently of the app
+    monkeypatch.setenv("MTAD_MAX_PROMPT_TOKENS", str(n - 1))
+    with pytest.raises(gradio_client.exceptions.AppError) as err:
+        client.predict(*args(prompt=prompt), api_name="/run")
+    assert f"the prompt is {n:,} tokens long; this server takes at most {n - 1:,} prompt tokens" in str(err.value)
+    monkeypatch.setenv("MTAD_MAX_PROMPT_TOKENS", str(n))  # exactly at the cap: runs
+    assert client.predict(*args(prompt=prompt, max_new=4), api_name="/run")[-1]["lanes"]["sd"]["state"] == "done"
+    monkeypatch.setenv("MTAD_MAX_PROMPT_TOKENS", "0")  # 0: no cap
+    assert (
+        client.predict(*args(prompt=prompt + "abc", max_new=4), api_name="/run")[-1]["lanes"]["sd"]["state"] == "done"
+    )
+
+
 def test_api_lists_only_run_and_replay_with_named_parameters(client):
     info = client.view_api(print_info=False, return_format="dict")
     assert set(info["named_endpoints"]) == {"/run", "/replay"} and not info["unnamed_endpoints"]

@@ -118,6 +118,59 @@ def test_cards_show_summarize_numbers_and_energy_na():
     assert f"{cards.fmt(m.joules_per_token)} J" in cards.cards_html([lane])
 
 
+def looping_lane(method: str = "mtad", period: int = 4, seconds: float = 0.1) -> LaneRecord:
+    """A lane whose 20 new tokens repeat a ``period``-token phrase (4 keeps no 4-gram fresh after the first)."""
+    phrase = [1, 2, 3, 4, 6, 7][:period]
+    ids = (phrase * 20)[:20]
+    steps = [
+        Step(i, method, appended_ids=ids[i * 4 : i * 4 + 4], from_target=[True] * 4, target_logprobs=[-0.1] * 4)
+        for i in range(5)
+    ]
+    for st in steps:
+        st.target_calls, st.target_seconds = 1, seconds
+    return lane_of(method, steps)
+
+
+def card_cells(html: str) -> dict[str, str]:
+    """A card's cells as {label: value}, read from its markup."""
+    values = re.findall(r'<div class="card-value[^"]*">([^<]*)</div><div class="card-label">([^<]*)</div>', html)
+    return {label: value for value, label in values}
+
+
+def test_a_looping_card_says_so_next_to_its_perplexity_and_a_fresh_one_does_not():
+    loop = looping_lane()  # 17 four-grams, the last 13 repeat the first four: 13/17 = 76 %
+    html = cards.card_html(loop)
+    assert card_cells(html)["repeated 4-grams"] == "76%"
+    assert card_cells(html)["perplexity"] == f"{math.exp(0.1):.3g}"  # low: the loop is easy to predict
+    assert 'class="card-note card-loop">This text repeats itself (76% of its 4-grams)' in html
+    assert "its low perplexity rewards the loop, not better text" in html
+    perplexity_cell = html.split('<div class="card-label">perplexity</div>')[1].split('<div class="card-cell"')[0]
+    assert perplexity_cell.startswith('<div class="card-loop-tag">the text loops (see below)</div>')
+    seven = [1, 2, 3, 4, 5, 6, 7]  # 4 four-grams, none repeated
+    fresh = lane_of("mtad", [Step(0, "mtad", appended_ids=seven, from_target=[True] * 7, target_logprobs=[-1.0] * 7)])
+    fresh_html = cards.card_html(fresh)
+    assert card_cells(fresh_html)["repeated 4-grams"] == "0%" and "card-loop" not in fresh_html
+    again = [1, 2, 3, 4, 5, 1, 2, 3, 4]  # 6 four-grams, the 6th repeats the 1st: 17 %
+    some = lane_of("mtad", [Step(0, "mtad", appended_ids=again, from_target=[True] * 9, target_logprobs=[-1.0] * 9)])
+    assert card_cells(cards.card_html(some))["repeated 4-grams"] == "17%" and "card-loop" in cards.card_html(some)
+    under = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4]  # 8 four-grams, 1 repeated: 12.5 %, under the threshold
+    few = lane_of("mtad", [Step(0, "mtad", appended_ids=under, from_target=[True] * 11, target_logprobs=[-1.0] * 11)])
+    assert card_cells(cards.card_html(few))["repeated 4-grams"] == "12%" and "card-loop" not in cards.card_html(few)
+    # a text too short for one 4-gram has no figure and no warning
+    short = lane_of("mtad", [Step(0, "mtad", appended_ids=[1, 2], from_target=[True] * 2, target_logprobs=[-1.0] * 2)])
+    assert card_cells(cards.card_html(short))["repeated 4-grams"] == "—" and "card-loop" not in cards.card_html(short)
+
+
+def test_each_card_gives_its_speed_over_the_same_run_s_ar_lane():
+    fast, slow = looping_lane("mtad", seconds=0.1), looping_lane("ar", seconds=0.4)  # 20 tokens in 0.5 s vs 2 s
+    html = cards.cards_html([fast, slow])
+    mtad_card, ar_card = html.split('<div class="mtad-card"')[1:]
+    assert card_cells(mtad_card)["× AR"] == "4.00×" and card_cells(ar_card)["× AR"] == "1×"
+    assert card_cells(cards.cards_html([fast]))["× AR"] == "—"  # no AR lane: no borrowed figure
+    slow.state = "running"
+    assert card_cells(cards.cards_html([fast, slow]).split('<div class="mtad-card"')[1])["× AR"] == "—"
+
+
 def test_figures_use_each_lanes_own_clock():
     sd = lane_of("sd", [sd_step(0), sd_step(1)])
     md = lane_of("mtad", [mtad_step(0)])
@@ -298,6 +351,42 @@ def test_waiting_line_positions():
     assert line.place("c") is None
 
 
+def test_positions_come_from_gradio_s_queue_api_jobs_included(monkeypatch):
+    from mtad.ui import waiting
+    from mtad.ui.waiting import Jobs, WaitingLine, place_text
+
+    queue = {"jobs": Jobs(pending=["api-1", "b", "api-2", "c"], api=[True, False, True, False], active=["a"])}
+    line = WaitingLine(lambda: queue["jobs"])
+    line.start("a")
+    for s in ("b", "c"):
+        line.join(s)
+    b, c = line.place("b"), line.place("c")
+    assert (b.position, b.total, b.api, b.state) == (3, 5, 1, "waiting")
+    assert (c.position, c.total, c.api) == (5, 5, 2)
+    assert "you are number 5 of 5 (4 runs ahead of you, 2 of them from the API" in place_text(c)
+    line.leave("b", stopped=True)  # Stop while waiting: its job stays in Gradio's queue but decodes nothing
+    assert line.place("b") is None and (line.place("c").position, line.place("c").total) == (4, 4)
+    line.join("d")  # pressed Run a moment ago, its job not in Gradio's queue yet
+    d = line.place("d")
+    assert d.state == "joining" and d.position == 5 and place_text(d).startswith("Joining the queue (4 runs ahead")
+    monkeypatch.setattr(waiting, "GRACE", 0.0)  # ... and still not there after the grace: Gradio refused it
+    queue["jobs"] = Jobs(pending=["api-1", "b", "api-2", "c"], api=[True, False, True, False], size=4, max_size=4)
+    refused = line.place("d")
+    assert refused.state == "refused" and place_text(refused).startswith(
+        "The queue is full (4 runs waiting, the most this server keeps): your run was not queued"
+    )
+    assert "starts by itself" not in place_text(refused) and "number" not in place_text(refused)
+    queue["jobs"] = Jobs(pending=["api-1"], api=[True], active=["d"])
+    assert line.place("d") is None  # running: the run takes over the page
+    assert Jobs(size=3, max_size=3).full and not Jobs(size=2, max_size=3).full and not Jobs(size=9).full
+
+
+def test_gradio_jobs_reads_a_launched_page_s_queue_and_none_without_one():
+    from mtad.ui.waiting import gradio_jobs
+
+    assert gradio_jobs(object()) is None
+
+
 @pytest.fixture
 def two_presets(tmp_path, monkeypatch):
     prompts = tmp_path / "p.jsonl"
@@ -351,3 +440,135 @@ def test_presets_that_cannot_run_here_are_marked_or_hidden(two_presets, monkeypa
     assert (
         availability.unavailable_reason(big) == "needs a GPU: its target has 13 B parameters and this server has none"
     )
+
+
+def test_pair_facts_are_read_from_the_loaded_models(tiny_pair):
+    from mtad.ui import handlers
+
+    d = sum(p.numel() for p in tiny_pair.draft.parameters())
+    t = sum(p.numel() for p in tiny_pair.target.parameters())
+    facts = handlers.pair_facts(tiny_pair)
+    assert facts.startswith(f"draft {handlers.millions(d)}, target {handlers.millions(t)} parameters · float32 · ")
+    assert "transformers " in facts and "attention" in facts
+    assert [handlers.millions(n) for n in (11_812_345, 134_515_008, 1_340_000_000, 250_400)] == [
+        "11.8 M",
+        "135 M",
+        "1.34 B",
+        "250 k",
+    ]
+
+
+def test_no_preset_description_states_a_size_or_dtype_the_models_would_contradict():
+    from mtad.pair import presets
+
+    for name, p in presets().items():
+        assert not re.search(r"\d+(\.\d+)?\s?[MBk]-parameter|bf16|bfloat16|float32|fp16", p.description), name
+
+
+def test_the_race_plays_each_lane_s_own_curve_on_one_time_axis():
+    from mtad.ui import race
+
+    sd = lane_of("sd", [sd_step(0), sd_step(1)])  # 2 tokens at 0.02 s and 4 at 0.04 s of its own clock
+    ar = looping_lane("ar", seconds=0.01)  # 20 tokens, 4 at 0.01, 0.02, ... 0.05 s
+    html = race.run_race_html([sd, ar], "CPU (1 thread)")
+    assert "This run&#x27;s race on one time axis (CPU (1 thread)):" in html
+    # the race lasts 0.05 s (AR's end); SD's bar: half its tokens at 40 %, all at 80 %, and 4/20 as long as AR's
+    sd_row = html.split('data-method="sd"')[1].split('data-method="ar"')[0]
+    assert "linear(0 0%, 0.5000 40.000%, 1.0000 80.000%, 1 100%)" in sd_row and "width: 20.0%" in sd_row
+    assert "4 tokens in 0.04 s · 0.25× AR" in sd_row  # 100 tokens/s against AR 400
+    assert "× AR" not in html.split('data-method="ar"')[1]
+    assert "true time;" in html  # shorter than 15 s: played at its own speed
+    slow = looping_lane("ar", seconds=6.0)  # 30 s: played at twice the speed
+    assert "true time ×2.0" in race.run_race_html([slow], "x") and "animation-duration: 15.00s" in race.run_race_html(
+        [slow], "x"
+    )
+    assert race.run_race_html([LaneRecord(method="sd", prompt_ids=[1])], "x") == ""
+
+
+def test_a_long_lane_s_curve_is_thinned_but_keeps_its_end():
+    from mtad.ui import race
+
+    secs = [0.01 * (i + 1) for i in range(1000)]
+    curve = race.easing(secs, list(range(1, 1001)), 10.0)
+    stops = curve.removeprefix("linear(").removesuffix(")").split(", ")
+    assert len(stops) == race.MAX_POINTS + 3 and stops[-2] == "1.0000 100.000%" and stops[0] == "0 0%"
+
+
+def test_the_recorded_race_names_its_device_pair_and_settings():
+    from mtad.ui import race
+
+    data = race.recorded_race()
+    html = race.recorded_race_html()
+    assert data["device"] and f"pair {data['pair']} on {data['device']}" in html
+    assert [c["method"] for c in data["lanes"]] == ["sd", "mtad", "ar"] and html.count('class="race-row"') == 3
+    assert race.RACE_FILE.stat().st_size < 20_000  # small enough to ship
+
+
+def link_record() -> RunRecord:
+    settings = parse_settings(
+        tau=0.2, beams=3, gamma=4, max_new_tokens=24, greedy=False, temperature=0.7, top_k=5, top_p=0.8, seed=11
+    ).to_dict()
+    lanes = {"spectr": lane_of("spectr", [sd_step(0), sd_step(1)]), "bild": lane_of("bild", [sd_step(0)])}
+    lanes["ar"] = lane_of("ar", [Step(0, "ar", appended_ids=[1], from_target=[True], target_logprobs=[-1.0])])
+    return RunRecord(pair="tiny", device="CPU", prompt="a & b = c?", settings=settings, lanes=lanes)
+
+
+def test_a_link_carries_the_run_s_inputs_and_the_iteration():
+    from urllib.parse import parse_qs
+
+    from mtad.ui import handlers
+
+    q = {k: v[0] for k, v in parse_qs(handlers.link_query(link_record(), "spectr", 2)).items()}
+    assert q == {
+        "prompt": "a & b = c?",
+        "pair": "tiny",
+        "tau": "0.2",
+        "beams": "3",
+        "gamma": "4",
+        "max_new": "24",
+        "greedy": "0",
+        "temperature": "0.7",
+        "top_k": "5",
+        "top_p": "0.8",
+        "seed": "11",
+        "m": "4",
+        "tau1": "0.9",
+        "tau2": "2.0",
+        "left": "spectr",
+        "right": "bild",
+        "ar": "1",
+        "lane": "spectr",
+        "it": "2",
+    }
+    assert handlers.link_html(None, "mtad", 1) == ""
+    assert "a &amp; b" not in handlers.link_html(link_record(), "spectr", 2)  # url-encoded, not raw text
+    assert 'href="?prompt=a+%26+b+%3D+c%3F&amp;pair=tiny' in handlers.link_html(link_record(), "spectr", 2)
+
+
+def test_previous_and_next_stay_within_the_lane_s_iterations():
+    from mtad.ui import handlers
+
+    rec = link_record()
+    assert handlers.next_iteration(rec, "spectr", 1)["value"] == 2
+    assert handlers.next_iteration(rec, "spectr", 2)["value"] == 2  # the last of 2
+    assert handlers.previous_iteration(rec, "spectr", 1)["value"] == 1
+    assert handlers.previous_iteration(rec, "spectr", 2)["value"] == 1
+    assert handlers.next_iteration(None, "spectr", 1)["value"] == 1
+
+
+def test_a_link_s_iteration_opens_after_the_run_and_is_then_spent():
+    from mtad.ui import handlers
+
+    rec = link_record()
+    lane, slider, _, html, _, spent = handlers.verify_reset(rec, "mtad", {"lane": "spectr", "it": 2})
+    assert lane["value"] == "spectr" and slider["value"] == 2 and "iteration 2 of 2" in html and spent is None
+    lane, slider, *_ = handlers.verify_reset(rec, "bild", {"lane": "spectr", "it": 9})  # past the end: iteration 1
+    assert lane["value"] == "spectr" and slider["value"] == 1
+    *_, kept = handlers.verify_reset(None, "mtad", {"lane": "spectr", "it": 2})  # no run yet: kept for the next
+    assert kept == {"lane": "spectr", "it": 2}
+
+
+def test_the_legend_explains_the_hover_p_and_q_and_the_struck_through_drafts():
+    legend = tokens.legend_html()
+    assert "“p 1 · q 1” means both were certain" in legend and "warped laws" in legend
+    assert "struck through, to show what was tried" in legend and "reply only" in legend

@@ -219,8 +219,9 @@ def test_other_decoders_verdict_states_their_rule_and_mtad_s_for_comparison(meth
     step = sd_step(0)
     step.method = method
     html = verify.verify_html(lane_of(method, [step]), 0, 0.1, 0.1, FakeTokenizer())
+    followed = "" if method == "bild" else " of the followed candidate"  # BiLD drafts one sequence
     assert verdict(html) == [
-        f"{verify.RULES[method]}. It kept 1 of 3 draft tokens of the followed candidate, then added the target's token.",
+        f"{verify.RULES[method]}. It kept 1 of 3 draft tokens{followed}, then added the target's token.",
         f"For comparison, MTAD's joint rule at τ = 0.100 (log τ = {LOG_TENTH}) would accept 1 of this draft.",
     ]
     assert Tables(html).tables[-1][0][1][-1][1] == "verdict"  # the per-token table, as for SD
@@ -515,3 +516,157 @@ def test_figure_labels_a_reader_sees():
     assert sd.layout.xaxis.title.text == "draft token i" and sd.layout.yaxis.title.text == "log"
     empty = verify.verify_figure(None, 0, 0.1)
     assert empty.layout.xaxis.title.text == "" and empty.layout.yaxis.title.text == ""
+
+
+# --- Spectr, SpecInfer and BiLD: their own rule, not SD's -----------------------------------------
+
+
+def walk_step(method: str) -> Step:
+    """A sampled multi-draft iteration over 2 candidates [<, ↵, a] and [<, b, a]: position 1 accepts '<' at
+    the first try, position 2 rejects both tries and draws '>' (id 4) from the residual."""
+    step = sd_step(0)
+    step.method = method
+    step.uniforms = None  # multi-draft steps record their draws in the walk, not here
+    step.candidates, step.candidate_kept, step.chosen = [[3, 5, 1], [3, 2, 1]], [1, 1], 0
+    step.appended_ids, step.accepted, step.from_target = [3, 4], 1, [False, True]
+    second = {"tokens": [5, 2], "p": [0.1, 0.05], "q": [0.4, 0.2], "u": [0.7, 0.8], "accepted": None, "draw": 4}
+    if method == "spectr":
+        second |= {"rho": 1.25, "residuals": [[[4, 0.5], [6, 0.3], [1, 0.2]]]}
+    else:
+        second |= {"rho": None, "residuals": [[[4, 0.4], [2, 0.35], [6, 0.1]], [[4, 0.6], [6, 0.3], [1, 0.1]]]}
+    first = {"tokens": [3, 3], "p": [0.6], "q": [0.3], "u": [0.2, 0.9], "rho": 1.5 if method == "spectr" else None}
+    first |= {"residuals": [], "accepted": 0, "draw": None}
+    step.walk = [first, second]
+    return step
+
+
+def test_spectr_table_shows_rho_each_try_the_residual_and_the_draw_and_no_greedy_dash():
+    html = verify.verify_html(lane_of("spectr", [walk_step("spectr")]), 0, 0.1, 0.1, FakeTokenizer())
+    table = Tables(html).tables[-1]
+    assert texts(table[0]) == ["position", "try", "x", "p(x)", "q(x)", "ρ", "min(1, p/(ρq))", "u", "verdict"]
+    assert [texts(r) for r in table[1:]] == [
+        ["1", "1", "<", "0.6", "0.3", "1.500", "1.000", "0.200", "u below it: accepted"],  # 0.6 / (1.5 · 0.3) > 1
+        ["2", "1", "↵", "0.1", "0.4", "1.250", "0.200", "0.700", "u above it: rejected"],  # 0.1 / (1.25 · 0.4)
+        ["2", "2", "b", "0.05", "0.2", "1.250", "0.200", "0.800", "u above it: rejected"],
+        ["2", "", "K-SEQ's residual: > 0.5 ·   0.3 · a 0.2", ""],
+        ["2", "", "no candidate passed: >, drawn from the residual, ends the iteration", "replaced"],
+    ]
+    assert "(greedy)" not in html and "u_i" not in html
+
+
+def test_specinfer_table_judges_each_try_against_the_residual_left_by_the_one_before():
+    html = verify.verify_html(lane_of("specinfer", [walk_step("specinfer")]), 0, 0.1, 0.1, FakeTokenizer())
+    table = Tables(html).tables[-1]
+    assert texts(table[0]) == ["position", "try", "x", "p_k(x)", "q(x)", "min(1, p_k/q)", "u", "verdict"]
+    assert [texts(r) for r in table[2:]] == [
+        ["2", "1", "↵", "0.1", "0.4", "0.250", "0.700", "u above it: rejected"],
+        ["2", "", "residual norm(max(0, p_k − q)) now: > 0.4 · b 0.35 ·   0.1", ""],
+        ["2", "2", "b", "0.05", "0.2", "0.250", "0.800", "u above it: rejected"],
+        ["2", "", "residual norm(max(0, p_k − q)) now: > 0.6 ·   0.3 · a 0.1", ""],
+        ["2", "", "no candidate passed: >, drawn from the residual, ends the iteration", "replaced"],
+    ]
+    assert "ρ" not in texts(table[0])
+
+
+def test_a_greedy_walk_compares_candidates_with_the_target_s_argmax_without_draws():
+    step = walk_step("spectr")
+    for t in step.walk:
+        t["u"], t["rho"], t["residuals"] = None, None, []
+    step.walk[1]["p"], step.walk[1]["q"] = [0.1, 0.05], [0.4, 0.2]
+    table = Tables(verify.verify_html(lane_of("spectr", [step]), 0, 0.1, 0.1, FakeTokenizer())).tables[-1]
+    assert texts(table[0]) == ["position", "try", "x", "p(x)", "q(x)", "verdict"]
+    assert [texts(r)[-1] for r in table[1:]] == [
+        "the target's argmax: kept",
+        "not the target's argmax",
+        "not the target's argmax",
+        "replaced",
+    ]
+    assert texts(table[-1])[2] == "no candidate passed: >, the target's argmax, ends the iteration"
+
+
+def bild_step(tops: list[float]) -> Step:
+    """A BiLD iteration: 3 drafts with target NLLs 0.1, 2.9, 0.5 (the second over τ2 = 2: rolled back)."""
+    step = sd_step(0)
+    step.method, step.uniforms, step.draft_top_q = "bild", None, tops
+    return step
+
+
+def test_bild_table_shows_the_top_probability_against_tau1_and_each_nll_against_tau2():
+    settings = {"tau1": 0.6, "tau2": 2.0}
+    html = verify.verify_html(lane_of("bild", [bild_step([0.9, 0.7, 0.65])]), 0, 0.1, 0.1, FakeTokenizer(), settings)
+    assert "τ1 = 0.6 (fallback" in html and "τ2 = 2 nats (rollback" in html
+    table = Tables(html).tables[-1]
+    assert texts(table[0]) == ["i", "x_i", "little model's top q", "NLL −log p_i(x_i)", "vs τ2", "verdict"]
+    assert [texts(r) for r in table[1:]] == [
+        ["1", "<", "0.900 ≥ τ1", "0.100", "≤ τ2", "kept"],
+        ["2", "↵", "0.700 ≥ τ1", "2.900", "> τ2", "rolled back: NLL above τ2"],
+        ["3", "a", "0.650 ≥ τ1", "0.500", "≤ τ2", "dropped (after the rollback)"],
+    ]
+    assert "(greedy)" not in html
+
+
+def test_bild_fallback_row_says_whether_the_big_model_wrote_that_position():
+    step = bild_step([0.9, 0.7, 0.65, 0.3])  # a fourth check, under τ1: the little model stopped drafting
+    settings = {"tau1": 0.6, "tau2": 2.0}
+    rows = Tables(verify.verify_html(lane_of("bild", [step]), 0, 0.1, 0.1, FakeTokenizer(), settings)).tables[-1]
+    assert texts(rows[-1]) == ["4", "—", "0.300 < τ1", "—", "—", "fallback (the rollback came first)"]
+    step.accepted, step.appended_ids, step.from_target = 3, [3, 5, 1, 2], [False, False, False, True]
+    step.log_p = [-0.1, -0.2, -0.3]
+    rows = Tables(verify.verify_html(lane_of("bild", [step]), 0, 0.1, 0.1, FakeTokenizer(), settings)).tables[-1]
+    assert texts(rows[-1])[-1] == "fallback: the big model writes this position"
+
+
+def test_the_panel_says_p_and_q_are_the_warped_laws_and_why_a_prefix_is_minus_infinity():
+    finite = verify.verify_html(lane_of("mtad", [mtad_step(0)]), 0, 0.1, 0.1, FakeTokenizer())
+    assert "warped laws" in finite and "−∞</b> here is log 0" not in finite
+    step = mtad_step(0, log_p=(-0.5, -math.inf, -math.inf, -math.inf))
+    html = verify.verify_html(lane_of("mtad", [step]), 0, 0.1, 0.1, FakeTokenizer())
+    assert "−∞</b> here is log 0: a drafted token lies outside the target's top-k / top-p" in html
+
+
+def test_walk_figure_draws_each_try_s_acceptance_against_its_draw():
+    fig = verify.verify_figure(lane_of("spectr", [walk_step("spectr")]), 0, 0.1)
+    bars, draws = fig.data
+    assert list(bars.x) == ["1.1", "2.1", "2.2"] and list(bars.y) == pytest.approx([1.0, 0.2, 0.2])
+    assert list(draws.y) == [0.2, 0.7, 0.8] and list(bars.marker.color) == [PASS, FAIL, FAIL]
+    assert fig.layout.title.text.startswith("Spectr: each try's acceptance min(1, p/(ρq)) against its draw u")
+    inf = verify.verify_figure(lane_of("specinfer", [walk_step("specinfer")]), 0, 0.1)
+    assert list(inf.data[0].y) == pytest.approx([1.0, 0.25, 0.25]) and "SD" not in inf.layout.title.text
+
+
+def test_bild_figure_draws_each_nll_against_tau2():
+    fig = verify.verify_figure(lane_of("bild", [bild_step([0.9, 0.7, 0.65])]), 0, 0.1, {"tau1": 0.6, "tau2": 2.0})
+    assert list(fig.data[0].y) == pytest.approx([0.1, 2.9, 0.5])
+    assert list(fig.data[0].marker.color) == [PASS, FAIL, FAIL]
+    assert fig.layout.shapes[0].y0 == 2.0 and fig.layout.annotations[0].text == "τ2 = 2"
+    assert fig.layout.title.text.startswith("BiLD: each draft token's NLL under the target against τ2")
+
+
+def test_bild_falling_back_at_once_is_explained_not_called_the_budget_s_last_token():
+    step = Step(index=0, method="bild", appended_ids=[2], from_target=[True], target_logprobs=[-1.0])
+    step.draft_top_q = [0.15]  # the little model's first check: under τ1, so it drafted nothing
+    settings = {"tau1": 0.6, "tau2": 2.0}
+    html = verify.verify_html(lane_of("bild", [step]), 0, 0.1, 0.1, FakeTokenizer(), settings)
+    assert "budget" not in html
+    table = Tables(html).tables[-1]
+    assert [texts(r) for r in table[1:]] == [
+        ["1", "—", "0.150 < τ1", "—", "—", "fallback: the big model writes this position"]
+    ]
+    fig = verify.verify_figure(lane_of("bild", [step]), 0, 0.1, settings)
+    assert fig.layout.title.text.startswith("BiLD: each draft token's NLL") and list(fig.data[0].y) == []
+
+
+def test_the_panel_counts_the_lane_s_iterations_with_every_prefix_at_minus_infinity():
+    dead = mtad_step(1, log_p=(-math.inf,) * 4)
+    lane = lane_of("mtad", [mtad_step(0), dead, mtad_step(2, log_p=(-0.5, -math.inf, -math.inf, -math.inf))])
+    html = verify.verify_html(lane, 0, 0.1, 0.1, FakeTokenizer())
+    assert "In this lane 1 of 3 drafting iterations had <b>every</b> prefix at −∞" in html
+    assert "every</b> prefix at −∞" not in verify.verify_html(lane_of("mtad", [mtad_step(0)]), 0, 0.1, 0.1)
+
+
+def test_bild_shows_a_rounding_above_log_one_as_zero_nll_not_minus_zero():
+    step = bild_step([1.0, 1.0, 1.0])
+    step.log_p, step.accepted = [1e-7, 2e-7, 3e-7], 3  # float32 log-softmax of a sure token can round above 0
+    step.appended_ids, step.from_target = [3, 5, 1, 2], [False, False, False, True]
+    html = verify.verify_html(lane_of("bild", [step]), 0, 0.1, 0.1, FakeTokenizer(), {"tau1": 0.9, "tau2": 2.0})
+    assert [texts(r)[3] for r in Tables(html).tables[-1][1:]] == ["0.000"] * 3 and "-0.000" not in html

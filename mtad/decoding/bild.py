@@ -36,11 +36,12 @@ def bild_step(st: DecodeState) -> Step:
     s = st.settings
     log_tau1 = math.log(s.tau1) if s.tau1 > 0 else -math.inf
     tokens = st.pending(st.draft)
-    drafted, q_rows, calls = [], [], 0
+    drafted, q_rows, calls, tops = [], [], 0, []
     while len(drafted) < g:
         lq = st.draft_logq(tokens)[0]
         calls += 1
-        if float(lq.max()) < log_tau1:
+        tops.append(float(lq.max()))  # the fallback test's own read, kept for the panel
+        if tops[-1] < log_tau1:
             break  # fallback: the little model is unsure; the big one writes this position
         col = pick(lq, s, st.generator)
         tok = st.draft_tokens(col)
@@ -71,5 +72,6 @@ def bild_step(st: DecodeState) -> Step:
         from_target=[False] * n + [True],
         target_logprobs=kept_lps,
         draft_calls=calls,
+        draft_top_q=[math.exp(t) for t in tops],
     )
     return st.finish(t0, step, kept_ids + [extra_i], n)

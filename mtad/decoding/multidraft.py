@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,9 +32,55 @@ from mtad.decoding.tree import TokenTree, keep_path, verify_tree
 from mtad.events import Step
 from mtad.sampling import probs, sample
 
-Rule = Callable[[torch.Tensor, torch.Tensor, list[int], torch.Generator], tuple[int | None, torch.Tensor]]
-"""A multi-candidate acceptance rule at one position: (p, q, candidate tokens, generator) ->
-(index of the accepted candidate, or None and the distribution to sample the replacement from)."""
+Rule = Callable[..., tuple[int | None, torch.Tensor]]
+"""A multi-candidate acceptance rule at one position: (p, q, candidate tokens, generator, trace=None) ->
+(index of the accepted candidate, or None and the distribution to sample the replacement from). With a
+:class:`Trial`, the rule also leaves there, as device tensors, what it compared (for the page's panel)."""
+
+TOP = 3  # tokens of a residual distribution the panel lists
+
+
+@dataclass
+class Trial:
+    """What a rule compared at one position of the walk, kept on the device until the iteration's one
+    host read: per tried candidate p(x) (for SpecInfer, under the residual it was judged against), q(x)
+    and the uniform draw; Spectr's rho; after a rejection, the top tokens of the residual (SpecInfer: after
+    each rejection; Spectr: once, when none passed)."""
+
+    tokens: list[int]
+    p: list[torch.Tensor] = field(default_factory=list)
+    q: list[torch.Tensor] = field(default_factory=list)
+    u: torch.Tensor | None = None
+    rho: float | None = None
+    residuals: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (probs, tokens) top TOP
+    accepted: int | None = None
+    draw: int | None = None
+
+    def tensors(self) -> list[torch.Tensor | None]:
+        """Every device tensor of the trial, in a fixed order (see :meth:`to_dict`)."""
+        return [*self.p, *self.q, self.u, *(t for r in self.residuals for t in r)]
+
+    def to_dict(self, values: list) -> dict:
+        """The trial as plain data, ``values`` being :meth:`tensors` read by ``to_host``."""
+        k, r = len(self.p), len(self.residuals)
+        p, q, u, rest = values[:k], values[k : 2 * k], values[2 * k], values[2 * k + 1 :]
+        tops = [[[int(t), pr] for pr, t in zip(rest[2 * j], rest[2 * j + 1], strict=True)] for j in range(r)]
+        return {
+            "tokens": self.tokens,
+            "p": p,
+            "q": q,
+            "u": u[: len(p)] if u is not None else None,
+            "rho": self.rho,
+            "residuals": tops,
+            "accepted": self.accepted,
+            "draw": self.draw,
+        }
+
+
+def residual_top(dist: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``TOP`` likeliest tokens of a distribution and their probabilities, on the device."""
+    top = dist.topk(min(TOP, dist.numel()))
+    return top.values, top.indices
 
 
 def fan_out(lm: CachedLM, rows: int) -> None:
@@ -101,6 +147,7 @@ def walk(
     rule: Rule,
     generator: torch.Generator,
     greedy: bool,
+    trials: list[Trial] | None = None,
 ) -> Walk:
     """Verify candidate sequences position by position, as Spectr and SpecInfer do.
 
@@ -109,23 +156,36 @@ def walk(
     go to ``rule`` with the target's p and the draft's q at that prefix (``p_at(w, i)``: probabilities
     after candidate w's first i tokens). An accepted token narrows the live set to the candidates
     carrying it; a rejection ends the walk with a draw from the rule's residual. Greedy: accept the
-    candidate equal to argmax p, else the target's argmax.
+    candidate equal to argmax p, else the target's argmax. ``trials``, when given, receives one
+    :class:`Trial` per position judged.
     """
     live = list(range(len(cands)))
     depth = len(cands[0])
     for i in range(depth):
         p = p_at(live[0], i)
         tokens = [cands[w][i] for w in live]
+        trial = Trial(tokens) if trials is not None else None
+        if trial is not None:
+            trials.append(trial)
         if greedy:
             best = int(p.argmax())
+            if trial is not None:
+                trial.p, trial.q = list(p[tokens].unbind()), list(q_at(live[0], i)[tokens].unbind())
+                trial.accepted = tokens.index(best) if best in tokens else None
+                trial.draw = None if best in tokens else best
             if best not in tokens:
                 return Walk(live[0], i, best)
             x = best
         else:
-            k, residual = rule(p, q_at(live[0], i), tokens, generator)
+            k, residual = rule(p, q_at(live[0], i), tokens, generator, trial)
             if k is None:
-                return Walk(live[0], i, int(sample(residual, generator)))
+                extra = int(sample(residual, generator))
+                if trial is not None:
+                    trial.draw = extra
+                return Walk(live[0], i, extra)
             x = tokens[k]
+            if trial is not None:
+                trial.accepted = k
         live = [w for w in live if cands[w][i] == x]
     p = p_at(live[0], depth)
     extra = int(p.argmax()) if greedy else int(sample(p, generator))
@@ -217,7 +277,8 @@ def multi_step(st: DecodeState, rule: Rule, how: str | None = None) -> Step:
     def q_at(w: int, i: int) -> torch.Tensor:
         return probs(drafts.log_q[w, i].double())
 
-    out = walk(cands, p_at, q_at, rule, st.generator, st.settings.is_greedy)
+    trials: list[Trial] = []
+    out = walk(cands, p_at, q_at, rule, st.generator, st.settings.is_greedy, trials)
     n, w = out.accepted, out.chosen
     rows = torch.stack([checked.at(w, i) for i in range(g + 1)])  # [g + 1, V]
     checked.keep(w, n)
@@ -230,7 +291,13 @@ def multi_step(st: DecodeState, rule: Rule, how: str | None = None) -> Step:
     kept_lp = torch.log_softmax(rows[: n + 1], dim=-1)[
         torch.arange(n + 1, device=st.device), torch.tensor(kept, device=st.device)
     ]
-    jp, jq, kept_lps = to_host(lp_x.cumsum(0), lq_x.cumsum(0), kept_lp)
+    flat = [t for trial in trials for t in trial.tensors()]
+    jp, jq, kept_lps, *values = to_host(lp_x.cumsum(0), lq_x.cumsum(0), kept_lp, *flat)
+    walked = []
+    for trial in trials:
+        n_t = len(trial.tensors())
+        walked.append(trial.to_dict(values[:n_t]))
+        values = values[n_t:]
     step = Step(
         index=0,
         method=st.settings.method,
@@ -243,6 +310,7 @@ def multi_step(st: DecodeState, rule: Rule, how: str | None = None) -> Step:
         candidates=cands,
         chosen=w,
         candidate_kept=kept_lengths(cands, kept[:n]),
+        walk=walked,
         draft_calls=g,
     )
     return st.finish(t0, step, kept, n)

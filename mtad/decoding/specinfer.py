@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from mtad.decoding.multidraft import multi_step
+from mtad.decoding.multidraft import Trial, multi_step, residual_top
 from mtad.decoding.state import DecodeState
 from mtad.events import Step
 
@@ -18,15 +18,23 @@ def mss_residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 def mss(
-    p: torch.Tensor, q: torch.Tensor, cands: list[int], generator: torch.Generator
+    p: torch.Tensor, q: torch.Tensor, cands: list[int], generator: torch.Generator, trial: Trial | None = None
 ) -> tuple[int | None, torch.Tensor]:
     """MSS on k i.i.d. candidates from q: candidate i is accepted with min(1, p_i(x) / q(x)), where
-    p_1 = p and p_{i+1} is the residual of p_i; if all fail, draw from the last residual."""
+    p_1 = p and p_{i+1} is the residual of p_i; if all fail, draw from the last residual. ``trial``
+    receives the draws, p_i(x) and q(x) of each candidate tried, and each residual's top tokens."""
     u = torch.rand(len(cands), generator=generator, device=p.device, dtype=p.dtype)
+    if trial is not None:
+        trial.u = u
     for i, x in enumerate(cands):
+        if trial is not None:
+            trial.p.append(p[x])
+            trial.q.append(q[x])
         if u[i] * q[x] < p[x]:
             return i, p
         p = mss_residual(p, q)
+        if trial is not None:
+            trial.residuals.append(residual_top(p))
     return None, p
 
 

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from mtad.decoding.multidraft import multi_step
+from mtad.decoding.multidraft import Trial, multi_step, residual_top
 from mtad.decoding.state import DecodeState
 from mtad.events import Step
 
@@ -45,17 +45,26 @@ def kseq_residual(p: torch.Tensor, q: torch.Tensor, k: int, rho: float) -> torch
 
 
 def kseq(
-    p: torch.Tensor, q: torch.Tensor, cands: list[int], generator: torch.Generator
+    p: torch.Tensor, q: torch.Tensor, cands: list[int], generator: torch.Generator, trial: Trial | None = None
 ) -> tuple[int | None, torch.Tensor]:
     """K-SEQ on k i.i.d. candidates from q: try each in turn, accepting x with min(1, p(x) / (rho q(x)));
-    if none passes, draw from :func:`kseq_residual`. With k = 1 it is speculative sampling."""
+    if none passes, draw from :func:`kseq_residual`. With k = 1 it is speculative sampling. ``trial``
+    receives rho, the draws, p(x) and q(x) of each candidate tried, and the residual's top tokens."""
     k = len(cands)
     rho = kseq_rho(p, q, k)
     u = torch.rand(k, generator=generator, device=p.device, dtype=p.dtype)
+    if trial is not None:
+        trial.rho, trial.u = rho, u
     for i, x in enumerate(cands):
+        if trial is not None:
+            trial.p.append(p[x])
+            trial.q.append(q[x])
         if u[i] * rho * q[x] < p[x]:
             return i, p
-    return None, kseq_residual(p, q, k, rho)
+    residual = kseq_residual(p, q, k, rho)
+    if trial is not None:
+        trial.residuals.append(residual_top(residual / residual.sum()))
+    return None, residual
 
 
 def spectr_step(st: DecodeState) -> Step:

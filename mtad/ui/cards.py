@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from html import escape
 
-from mtad.metrics import Metrics
+from mtad.metrics import Metrics, speedup
 from mtad.ui.record import LaneRecord
 
 
@@ -29,11 +29,25 @@ def energy_text(m: Metrics, lane: LaneRecord) -> str:
     return "n/a — " + (m.energy_note or "no reading")
 
 
-def card_html(lane: LaneRecord) -> str:
-    """One lane's card: speed, energy, block efficiency, acceptance, perplexity and repetition (with a
-    warning when the text loops), target calls."""
+def versus_ar(m: Metrics, lane: LaneRecord, ar: Metrics | None) -> tuple[str, str]:
+    """(value, tooltip) of the card's "× AR" cell: this lane's speed over the AR lane's in the same run."""
+    if lane.method == "ar":
+        return "1×", "the baseline: the target alone, one token per forward pass"
+    if ar is None:
+        return "—", "needs the AR lane of this same run (tick the AR baseline lane); shown once it has finished"
+    ratio = speedup(m, ar)
+    if ratio is None:
+        return "—", "the AR lane produced no speed to compare with"
+    return f"{ratio:.2f}×", "this lane's tokens/s ÷ the AR lane's tokens/s, same run, same device"
+
+
+def card_html(lane: LaneRecord, ar: Metrics | None = None) -> str:
+    """One lane's card: speed (and its ratio to the same run's AR lane, ``ar``), energy, block efficiency,
+    acceptance, perplexity and repetition (with a warning when the text loops), target calls."""
     m = lane.metrics()
+    times, tip = versus_ar(m, lane, ar)
     rows = [
+        ("× AR", times, tip),
         ("tokens/s", fmt(m.tokens_per_second), "new tokens / seconds of this lane's own work"),
         ("J/token", energy_text(m, lane), "joules from the energy meter / new tokens"),
         ("block efficiency", fmt(m.block_efficiency), "new tokens per target forward pass (AR = 1)"),
@@ -46,10 +60,11 @@ def card_html(lane: LaneRecord) -> str:
         ),
         ("target calls", str(m.target_calls), "target forward passes"),
     ]
+    loop_tag = '<div class="card-loop-tag">the text loops (see below)</div>' if m.loops else ""
     cells = "".join(
         f'<div class="card-cell" title="{escape(tip, quote=True)}">'
         f'<div class="card-value{" na" if v.startswith("n/a") else ""}">{escape(v)}</div>'
-        f'<div class="card-label">{escape(k)}</div></div>'
+        f'<div class="card-label">{escape(k)}</div>{loop_tag if k == "perplexity" else ""}</div>'
         for k, v, tip in rows
     )
     split = (
@@ -73,4 +88,6 @@ def cards_html(lanes: list[LaneRecord]) -> str:
     """All lanes' cards side by side."""
     if not lanes:
         return '<div class="mtad-cards mtad-cards-empty">Summaries appear here as the lanes run.</div>'
-    return '<div class="mtad-cards">' + "".join(card_html(lane) for lane in lanes) + "</div>"
+    ar = next((lane for lane in lanes if lane.method == "ar" and lane.finished and lane.steps), None)
+    ar_metrics = ar.metrics() if ar is not None else None
+    return '<div class="mtad-cards">' + "".join(card_html(lane, ar_metrics) for lane in lanes) + "</div>"

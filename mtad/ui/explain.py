@@ -23,5 +23,6 @@ EXPLAIN = """\
   accepts nothing (MTAD becomes plain autoregressive decoding). In between, a higher τ demands that the
   target like the draft nearly as much as the draft liked itself.
 * **Honest timing:** the lanes run one at a time on the device, each with its own clock (and energy meter);
-  **Replay** then races them on one true time axis.
+  when the run ends, the race above the lanes replays them on one true time axis, and each card's **× AR**
+  compares its speed with the AR lane of the same run. **Replay** re-animates the lanes themselves.
 """

@@ -7,21 +7,24 @@ import functools
 import inspect
 import logging
 import math
+import os
 import time
 from collections.abc import Iterator
 from html import escape
+from urllib.parse import urlencode
 
 import gradio as gr
 import torch
+import transformers
 
 from mtad.decoding import encode_prompt
 from mtad.pair import PairError, configure_cpu_threads, default_pair_name, presets, resolve_device
 from mtad.settings import Settings
-from mtad.ui import availability, cards, figures, tokens, verify
+from mtad.ui import availability, cards, figures, race, tokens, verify
 from mtad.ui.inputs import as_bool, example_prompts, parse_settings
 from mtad.ui.record import LABELS, LaneRecord, RunRecord
 from mtad.ui.runner import CANCELS, OOM_MESSAGE, PAIRS, free_device_memory, run_lanes
-from mtad.ui.waiting import LINE, place_text
+from mtad.ui.waiting import LINE, full_text, place_text
 
 log = logging.getLogger(__name__)
 RACERS = ("sd", "mtad", "mtad-tree", "bild", "spectr", "specinfer")
@@ -30,6 +33,29 @@ PLOT_EVERY = 2.0  # seconds between plot refreshes in Replay (a live run redraws
 LIVE_EVERY = 0.3  # seconds between live lane refreshes (a long run must not drown the browser)
 LIVE_TAIL = 60  # iterations a live lane draws; the whole lane is drawn once it ends
 EMPTY_PROMPT = "the prompt is empty: type some text to continue"
+MAX_PROMPT_TOKENS_DEFAULT = 1024
+"""Prompt tokens a visitor may send (``MTAD_MAX_PROMPT_TOKENS``; 0: no cap). Each lane reads the whole
+prompt before its first token; measured on the smollm2 pair, 2-core CPU, see docs/benchmarks.md."""
+
+
+def max_prompt_tokens() -> int:
+    """The operator's cap on a visitor's prompt tokens (``MTAD_MAX_PROMPT_TOKENS``, read at every run)."""
+    raw = os.environ.get("MTAD_MAX_PROMPT_TOKENS", "")
+    try:
+        return max(0, int(raw)) if raw.strip() else MAX_PROMPT_TOKENS_DEFAULT
+    except ValueError:
+        log.warning("MTAD_MAX_PROMPT_TOKENS=%r is not an integer; using %d", raw, MAX_PROMPT_TOKENS_DEFAULT)
+        return MAX_PROMPT_TOKENS_DEFAULT
+
+
+def check_prompt_length(n_tokens: int) -> None:
+    """ValueError naming the prompt when it is longer than the operator allows."""
+    cap = max_prompt_tokens()
+    if cap and n_tokens > cap:
+        raise ValueError(
+            f"the prompt is {n_tokens:,} tokens long; this server takes at most {cap:,} prompt tokens "
+            "(each lane reads the whole prompt before its first token, holding the shared device): shorten it"
+        )
 
 
 # ---------------------------------------------------------------- page set-up helpers
@@ -119,20 +145,27 @@ def server_device() -> str:
 
 
 def device_text(record: RunRecord) -> str:
+    """The status line's facts about a run: the device, the pair and, read from the loaded models (the
+    page's one home for them), parameter counts, dtype and engine."""
     pair = PAIRS.peek(record.pair)
-    size = ""
-    if pair is not None:
-        d, t = pair.parameters()
-        dtype = str(pair.dtype).removeprefix("torch.")
-        size = f" · draft {millions(d)}, target {millions(t)} parameters, {dtype}"
-    return f"Ran on **{escape(record.device)}** · pair `{record.pair}`{size}"
+    facts = f" · {pair_facts(pair)}" if pair is not None else ""
+    return f"Ran on **{escape(record.device)}** · pair `{record.pair}`{facts}"
+
+
+def pair_facts(pair: object) -> str:
+    """Parameter counts, dtype and engine of a loaded pair, computed from the models themselves."""
+    d, t = pair.parameters()
+    dtype = str(pair.dtype).removeprefix("torch.")
+    attention = getattr(pair.target.config, "_attn_implementation", None) or "eager"
+    engine = f"transformers {transformers.__version__}, {attention} attention"
+    return f"draft {millions(d)}, target {millions(t)} parameters · {dtype} · {escape(engine)}"
 
 
 def millions(n: int) -> str:
-    """A parameter count in words: 68 M, 1.3 B, 250 k."""
+    """A parameter count to three significant figures: 11.8 M, 135 M, 1.34 B, 250 k."""
     if n >= 1e9:
-        return f"{n / 1e9:.1f} B"
-    return f"{n / 1e6:.0f} M" if n >= 1e7 else (f"{n / 1e6:.1f} M" if n >= 1e6 else f"{n / 1e3:.0f} k")
+        return f"{n / 1e9:.3g} B"
+    return f"{n / 1e6:.3g} M" if n >= 1e6 else f"{n / 1e3:.3g} k"
 
 
 def lane_note(method: str, settings: dict) -> str:
@@ -176,25 +209,49 @@ def shown_race(left: object, right: object) -> tuple[str, str]:
 
 
 def waiting_outputs(session: str, race: tuple[str, str] = DEFAULT_RACE) -> tuple | None:
-    """(status, lane, lane) for a session waiting in line, or None when it is not waiting."""
+    """(message, status, lane, lane, AR lane, keep ticking) for a session that pressed Run and has not started:
+    its place in Gradio's queue, or, when its job never reached the queue (full), that it was not queued
+    and nothing waits; None when there is nothing to say (not waiting, or first in line)."""
     place = LINE.place(session)
-    if place is None or place.position <= 1:
+    if place is None:
         return None
     text = place_text(place)
-    lanes = [tokens.placeholder_html(m, text, state="line") for m in race]
-    return (f"**{text}**", *lanes)
+    if place.state == "refused":
+        LINE.leave(session)
+        lanes = [
+            tokens.placeholder_html(m, "Not queued: the queue was full. Press Run to try again.") for m in (*race, "ar")
+        ]
+        return message_html(text), f"Not run: {escape(text)}", *lanes, False
+    if place.position <= 1:
+        return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), True
+    lanes = [tokens.placeholder_html(m, text, state="line") for m in (*race, "ar")]
+    return gr.skip(), f"**{text}**", *lanes, True
+
+
+def full_outputs(session: str, race: tuple[str, str]) -> tuple | None:
+    """(message, status, lane, lane, AR lane) when Gradio's queue is full, so a Run now would not be queued."""
+    jobs = LINE.jobs() if LINE.jobs is not None else None
+    if jobs is None or not jobs.full:
+        return None
+    text = full_text(jobs)
+    lanes = [
+        tokens.placeholder_html(m, "Not queued: the queue was full. Press Run to try again.") for m in (*race, "ar")
+    ]
+    return message_html(text), f"Not run: {escape(text)}", *lanes
 
 
 def arm(left: str, right: str, request: gr.Request) -> tuple:
     """Run pressed (before the run is queued): a fresh Stop flag, a place in line, the old message cleared,
-    and, when someone is ahead, the queue position at once with the ticker that keeps it current."""
+    and the ticker that shows the queue position while someone is ahead. A full queue is said at once (the
+    job Gradio then refuses leaves nothing waiting)."""
     session = _session(request)
+    race = shown_race(left, right)
+    full = full_outputs(session, race)
+    if full is not None:
+        return *full, gr.Timer(active=False)
     CANCELS.arm(session)
     LINE.join(session)
-    shown = waiting_outputs(session, shown_race(left, right))
-    if shown is None:
-        return message_html(), gr.skip(), gr.skip(), gr.skip(), gr.Timer(active=False)
-    return message_html(), *shown, gr.Timer(active=True)
+    return _tick(session, left, right, cleared=True)
 
 
 def on_race_change(record: RunRecord | None, left: str, right: str) -> tuple:
@@ -205,25 +262,37 @@ def on_race_change(record: RunRecord | None, left: str, right: str) -> tuple:
 
 
 def waiting_tick(left: str, right: str, request: gr.Request) -> tuple:
-    """Every second while waiting: the position again; the ticker stops once the run has started."""
-    shown = waiting_outputs(_session(request), shown_race(left, right))
+    """Every second from Run until the run starts: the position again (or that the full queue refused the
+    run); the ticker stops once the run has started, ended or was refused."""
+    return _tick(_session(request), left, right)
+
+
+def _tick(session: str, left: str, right: str, cleared: bool = False) -> tuple:
+    """(message, status, lane, lane, AR lane, timer); ``cleared``: the old message goes even when nothing else changes."""
+    shown = waiting_outputs(session, shown_race(left, right))
     if shown is None:
-        return gr.skip(), gr.skip(), gr.skip(), gr.Timer(active=False)
-    return *shown, gr.Timer(active=True)
+        return message_html() if cleared else gr.skip(), *(gr.skip(),) * 4, gr.Timer(active=False)
+    *outs, ticking = shown
+    if cleared and isinstance(outs[0], dict):  # gr.skip(): the old message goes
+        outs[0] = message_html()
+    return *outs, gr.Timer(active=ticking)
 
 
-def stop(request: gr.Request) -> str:
-    """Stop: the run ends after the iteration in progress and frees the device; a waiting run leaves the line."""
+def stop(left: str, right: str, request: gr.Request) -> tuple:
+    """Stop: the run ends after the iteration in progress and frees the device; a waiting run leaves the line
+    (its place and the waiting lanes are cleared at once, and nobody behind it counts it any more)."""
     session = _session(request)
     waiting = LINE.place(session) is not None
     if not CANCELS.stop(session):
-        return message_html("nothing is running.", kind="info")
+        return message_html("nothing is running.", kind="info"), *(gr.skip(),) * 5
     if waiting:
-        LINE.leave(session)
-        return message_html("Stopped while waiting in the queue: the run will not start.", kind="stop")
-    return message_html(
-        "Stop pressed: the run ends after the iteration in progress; later lanes do not start.", kind="stop"
-    )
+        LINE.leave(session, stopped=True)
+        note = "Stopped while waiting: press Run to queue again."
+        lanes = [tokens.placeholder_html(m, note) for m in (*shown_race(left, right), "ar")]
+        text = "Stopped while waiting in the queue: the run left the queue and will not start."
+        return message_html(text, kind="stop"), escape(text), *lanes, gr.Timer(active=False)
+    text = "Stop pressed: the run ends after the iteration in progress; later lanes do not start."
+    return message_html(text, kind="stop"), *(gr.skip(),) * 5
 
 
 def unload(request: gr.Request) -> None:
@@ -231,7 +300,7 @@ def unload(request: gr.Request) -> None:
     session = _session(request)
     CANCELS.stop(session)
     CANCELS.forget(session)
-    LINE.leave(session)
+    LINE.leave(session, stopped=True)
 
 
 # ---------------------------------------------------------------- run
@@ -241,7 +310,7 @@ def lane_slots(record: RunRecord | None, race: tuple[str, str] = DEFAULT_RACE) -
     """The methods shown in the page's three lane boxes: the two raced methods (``race`` before a run),
     then AR (or nothing)."""
     if record is None:
-        return [*race, None]
+        return [*race, "ar"]
     methods = [m for m in record.lanes if m != "ar"]
     return [*(methods + [None, None])[:2], "ar" if "ar" in record.lanes else None]
 
@@ -430,6 +499,7 @@ def _generate(session: str, values: dict) -> Iterator[tuple]:
     try:
         pair = PAIRS.get(pair_name)
         prompt_ids = encode_prompt(pair, prompt, settings)
+        check_prompt_length(len(prompt_ids))
     except (PairError, ValueError) as exc:
         yield from refuse(str(exc), race)
     methods = racers + (["ar"] if with_ar else [])
@@ -464,7 +534,7 @@ def _generate(session: str, values: dict) -> Iterator[tuple]:
 def run_tail(record: RunRecord) -> str:
     """How the run ended, for the status line."""
     if not any(lane.state == "stopped" for lane in record.lanes.values()):
-        return " · done: press Replay to race the lanes on one time axis"
+        return " · done: the race above replays the lanes on one time axis (Replay re-animates the lanes too)"
     with_steps = [lane for lane in record.lanes.values() if lane.steps]
     last = with_steps[-1] if with_steps else None
     where = f" ({last.label} stopped after {len(last.steps)} iterations)" if last and last.state == "stopped" else ""
@@ -490,6 +560,13 @@ def _device_name(dev: torch.device) -> str:
 def _cpu_label() -> str:
     n = torch.get_num_threads()
     return f"CPU ({n} thread{'s' if n != 1 else ''})"
+
+
+def race_after_run(record: RunRecord | None) -> str | dict:
+    """When a run ends, its lanes race again on one time axis (nothing changes when no lane has steps)."""
+    if record is None or not any(lane.steps for lane in record.lanes.values()):
+        return gr.skip()
+    return race.run_race_html(list(record.lanes.values()), record.device)
 
 
 def toggle_ar(with_ar: bool) -> dict:
@@ -568,8 +645,9 @@ def verify_view(record: RunRecord | None, method: str, iteration: float, tau: fl
     tau = min(1.0, max(0.0, float(tau if tau is not None and math.isfinite(tau) else 0.0)))
     index = int(iteration or 1) - 1
     run_tau = record.settings.get("tau", tau) if record else tau
-    html = verify.verify_html(lane, index, tau, run_tau, _tokenizer(record))
-    return html, verify.verify_figure(lane, index, tau)
+    settings = record.settings if record else {}
+    html = verify.verify_html(lane, index, tau, run_tau, _tokenizer(record), settings)
+    return html, verify.verify_figure(lane, index, tau, settings)
 
 
 def verify_lane(record: RunRecord | None, method: str, tau: float) -> tuple:
@@ -580,16 +658,132 @@ def verify_lane(record: RunRecord | None, method: str, tau: float) -> tuple:
     return gr.update(maximum=max(n, 2), value=1, interactive=n > 1), html, fig
 
 
-def verify_reset(record: RunRecord | None, method: str) -> tuple:
+def verify_reset(record: RunRecord | None, method: str, wanted: dict | None = None) -> tuple:
     """After a run: the picked lane (or, when it has no steps, e.g. after a Stop, the last lane that has),
-    its first iteration, judged at the run's own tau."""
+    its first iteration, judged at the run's own tau; ``wanted`` (from a link's ``lane`` and ``it``) picks
+    the lane and iteration once, then is spent."""
     tau = record.settings.get("tau", 0.1) if record else 0.1
     choices = lane_choices(record)
     with_steps = [m for _, m in choices if (lane := _lane(record, m)) is not None and lane.steps]
+    wanted = wanted or {}
+    if wanted.get("lane") in with_steps:
+        method = wanted["lane"]
     if method not in with_steps and with_steps:
         method = with_steps[-1]
     slider, html, fig = verify_lane(record, method, tau)
-    return gr.update(choices=choices, value=method), slider, gr.update(value=tau), html, fig
+    lane = _lane(record, method)
+    n = len(lane.steps) if lane else 1
+    it = wanted.get("it")
+    if isinstance(it, int) and 1 < it <= n:
+        slider = gr.update(maximum=max(n, 2), value=it, interactive=n > 1)
+        html, fig = verify_view(record, method, it, tau)
+    spent = None if record is not None and record.lanes else wanted or None
+    return gr.update(choices=choices, value=method), slider, gr.update(value=tau), html, fig, spent
+
+
+def shift_iteration(record: RunRecord | None, method: str, iteration: float, delta: int) -> dict:
+    """The iteration slider moved by ``delta`` (previous / next), kept within the lane's iterations."""
+    lane = _lane(record, method)
+    n = max(1, len(lane.steps)) if lane else 1
+    return gr.update(value=min(n, max(1, int(iteration or 1) + delta)))
+
+
+def previous_iteration(record: RunRecord | None, method: str, iteration: float) -> dict:
+    return shift_iteration(record, method, iteration, -1)
+
+
+def next_iteration(record: RunRecord | None, method: str, iteration: float) -> dict:
+    return shift_iteration(record, method, iteration, +1)
+
+
+LINK_KEYS = {  # query parameter -> the run's settings key
+    "tau": "tau",
+    "beams": "beams",
+    "gamma": "gamma",
+    "max_new": "max_new_tokens",
+    "greedy": "greedy",
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "seed": "seed",
+    "m": "num_drafts",
+    "tau1": "tau1",
+    "tau2": "tau2",
+}
+
+
+def link_query(record: RunRecord, method: str, iteration: float) -> str:
+    """The query string that reopens the page on this run's prompt, pair, settings, seed, lanes and
+    iteration (see :func:`from_query`)."""
+    racers = [m for m in record.lanes if m != "ar"]
+    params: dict[str, object] = {"prompt": record.prompt, "pair": record.pair}
+    for key, name in LINK_KEYS.items():
+        value = record.settings.get(name)
+        if value is not None:
+            params[key] = int(value) if isinstance(value, bool) else value
+    if len(racers) == 2:
+        params["left"], params["right"] = racers
+    params["ar"] = int("ar" in record.lanes)
+    params["lane"], params["it"] = method, int(iteration or 1)
+    return urlencode(params)
+
+
+def link_html(record: RunRecord | None, method: str, iteration: float) -> str:
+    """A link to this run and iteration, for a teacher to share."""
+    if record is None or not any(lane.steps for lane in record.lanes.values()):
+        return ""
+    query = link_query(record, method, iteration)
+    return (
+        f'<div class="v-link"><a href="?{escape(query, quote=True)}" target="_blank" rel="noopener">'
+        f"Link to this run at iteration {int(iteration or 1)} of {escape(LABELS.get(method, method))}</a>: it "
+        "opens the page with this prompt, pair, settings and seed; Run there gives the same tokens on the same "
+        "device, and the panel opens at this iteration.</div>"
+    )
+
+
+def from_query(current_pair: str | None, request: gr.Request) -> tuple:
+    """Page load: the pair list as of now and, from a link's query parameters, the prompt, pair, settings,
+    lanes and the iteration to open after the next run. Values are only put in the boxes: the run checks
+    them by name as it checks typed ones; a pair must be one of the operator's presets."""
+    q = dict(request.query_params) if request is not None else {}
+    choices = pair_choices()
+    names = [n for _, n in choices]
+    pair = q.get("pair") if q.get("pair") in names else current_pair
+    pair_out = gr.update(choices=choices, value=pair if pair in names else (names[0] if names else None))
+    keep = gr.skip()
+    outs = {key: keep for key in ("prompt", *LINK_KEYS, "ar", "left", "right")}
+    if "prompt" in q:
+        outs["prompt"] = gr.update(value=q["prompt"][:20_000])
+    for key in LINK_KEYS:
+        if key in q:
+            value = q[key]
+            if key == "greedy":
+                outs[key] = gr.update(value=value in ("1", "true", "True"))
+            else:
+                try:
+                    outs[key] = gr.update(value=float(value))
+                except ValueError:
+                    outs[key] = gr.update(value=value)  # the run refuses it by name
+    if "ar" in q:
+        outs["ar"] = gr.update(value=q["ar"] in ("1", "true", "True"))
+    for side in ("left", "right"):
+        if q.get(side) in RACERS:
+            outs[side] = gr.update(value=q[side])
+    wanted = None
+    if "lane" in q or "it" in q:
+        try:
+            wanted = {"lane": q.get("lane"), "it": int(q.get("it", "1"))}
+        except ValueError:
+            wanted = {"lane": q.get("lane"), "it": 1}
+    message = gr.skip()
+    if "prompt" in q:
+        it = f" and the panel opens at iteration {wanted['it']}" if wanted else ""
+        message = message_html(
+            f"Opened from a link: press Run to reproduce that run (same settings and seed){it}.", kind="info"
+        )
+    ordered = [outs[k] for k in ("prompt", "tau", "beams", "gamma", "max_new", "greedy", "temperature", "top_k")]
+    ordered += [outs[k] for k in ("top_p", "seed", "ar", "left", "right", "m", "tau1", "tau2")]
+    return pair_out, *ordered, wanted, message
 
 
 def lane_choices(record: RunRecord | None = None) -> list[tuple[str, str]]:

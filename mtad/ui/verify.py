@@ -158,6 +158,139 @@ def sd_table(step: Step, pieces: list[str]) -> str:
     )
 
 
+def piece_of(lane: LaneRecord, index: int, tokenizer: object | None, token: int) -> str:
+    """The text of one token drawn or listed at iteration ``index`` (decoded after that iteration's context)."""
+    return visible(draft_pieces(lane, index, tokenizer, [token])[0])
+
+
+def vtok(text: str) -> str:
+    return f'<span class="vtok">{escape(text)}</span>'
+
+
+def residual_text(lane: LaneRecord, index: int, tokenizer: object | None, top: list) -> str:
+    """A residual distribution's likeliest tokens, e.g. ``'a' 0.41 · 'b' 0.20``."""
+    return " · ".join(f"{vtok(piece_of(lane, index, tokenizer, t))} {pr:.3g}" for t, pr in top)
+
+
+def multidraft_table(lane: LaneRecord, step: Step, tokenizer: object | None) -> str:
+    """Spectr's and SpecInfer's walk, position by position: each candidate token tried in order with p(x),
+    q(x), the acceptance probability and the uniform draw (Spectr: with its rho); the residual after a
+    rejection (SpecInfer: after each, since the next try is judged against it; Spectr: once, when none
+    passed) and the token drawn from it. Greedy: the candidates against the target's argmax."""
+    spectr = lane.method == "spectr"
+    greedy = all(t.get("u") is None for t in step.walk)
+    head = ["position", "try", "x", "p(x)" if spectr or greedy else "p_k(x)", "q(x)"]
+    if not greedy:
+        head += (["ρ", "min(1, p/(ρq))"] if spectr else ["min(1, p_k/q)"]) + ["u"]
+    head.append("verdict")
+    rows = []
+    for i, t in enumerate(step.walk):
+        pos = i + 1
+        for k, x in enumerate(t["tokens"][: len(t["p"])]):
+            p, q = t["p"][k], t["q"][k]
+            ok = t["accepted"] == k
+            cells = [str(pos), str(k + 1), vtok(piece_of(lane, step.index, tokenizer, x)), f"{p:.3g}", f"{q:.3g}"]
+            if greedy:
+                verdict = "the target's argmax: kept" if ok else "not the target's argmax"
+            else:
+                rho = t["rho"] or 1.0
+                ratio = min(1.0, p / (rho * q)) if q > 0 else 1.0
+                cells += ([f"{rho:.3f}"] if spectr else []) + [f"{ratio:.3f}", f"{t['u'][k]:.3f}"]
+                verdict = "u below it: accepted" if ok else "u above it: rejected"
+            cls = "v-pass" if ok else "v-fail"
+            rows.append(
+                f'<tr class="{"row-acc" if ok else ""}">'
+                + "".join(f"<td>{c}</td>" for c in cells)
+                + f'<td class="{cls}">{verdict}</td></tr>'
+            )
+            if not ok and not greedy and (not spectr or k == len(t["p"]) - 1) and t["residuals"]:
+                top = t["residuals"][min(k, len(t["residuals"]) - 1) if not spectr else 0]
+                what = "residual norm(max(0, p_k − q)) now" if not spectr else "K-SEQ's residual"
+                rows.append(
+                    f'<tr class="v-residual"><td>{pos}</td><td></td><td colspan="{len(head) - 3}">{what}: '
+                    f"{residual_text(lane, step.index, tokenizer, top)}</td><td></td></tr>"
+                )
+        if t["draw"] is not None:
+            drawn = vtok(piece_of(lane, step.index, tokenizer, t["draw"]))
+            source = "the target's argmax" if greedy else "drawn from the residual"
+            rows.append(
+                f'<tr class="v-residual"><td>{pos}</td><td></td><td colspan="{len(head) - 3}">no candidate passed: '
+                f'{drawn}, {source}, ends the iteration</td><td class="v-fail">replaced</td></tr>'
+            )
+    return (
+        '<table class="v-table v-walk"><tr>'
+        + "".join(f"<th>{h}</th>" for h in head)
+        + "</tr>"
+        + "".join(rows)
+        + "</table>"
+    )
+
+
+def bild_table(lane: LaneRecord, step: Step, tokenizer: object | None, settings: dict) -> str:
+    """BiLD per draft position: the little model's top probability against τ1 (drafting goes on while it is
+    at least τ1) and each draft token's negative log-likelihood under the target against τ2 (kept while
+    at most τ2); a last row when the little model fell back before γ tokens."""
+    tau1, tau2 = settings.get("tau1"), settings.get("tau2")
+    tops = step.draft_top_q or []
+    pieces = draft_pieces(lane, step.index, tokenizer, step.draft_ids)
+    nll = [max(0.0, -v) if not math.isnan(v) else v for v in step.token_log_p]  # −log p ≥ 0: no −0.000
+    rows = []
+    for i, piece in enumerate(pieces):
+        top = f"{tops[i]:.3f} ≥ τ1" if i < len(tops) else "—"
+        over = not nll[i] <= tau2 if tau2 is not None else False
+        if i < step.accepted:
+            verdict, cls = "kept", "v-pass"
+        elif i == step.accepted:
+            verdict, cls = "rolled back: NLL above τ2", "v-fail"
+        else:
+            verdict, cls = "dropped (after the rollback)", "v-skip"
+        rows.append(
+            f'<tr class="{"row-acc" if i < step.accepted else ""}"><td>{i + 1}</td><td>{vtok(visible(piece))}</td>'
+            f"<td>{top}</td><td>{num(nll[i])}</td><td>{'&gt; τ2' if over else '≤ τ2'}</td>"
+            f'<td class="{cls}">{verdict}</td></tr>'
+        )
+    if len(tops) > len(pieces):
+        reached = step.accepted == len(pieces)
+        verdict = "fallback: the big model writes this position" if reached else "fallback (the rollback came first)"
+        rows.append(
+            f'<tr class="v-residual"><td>{len(pieces) + 1}</td><td>—</td><td>{tops[len(pieces)]:.3f} &lt; τ1</td>'
+            f'<td>—</td><td>—</td><td class="v-fail">{verdict}</td></tr>'
+        )
+    t1 = f"{tau1:g}" if tau1 is not None else "?"
+    t2 = f"{tau2:g}" if tau2 is not None else "?"
+    return (
+        f'<div class="v-sub">τ1 = {t1} (fallback: the little model drafts while its top probability is at '
+        f"least τ1) · τ2 = {t2} nats (rollback: a draft token stays while its NLL under the target is at most "
+        "τ2)</div>"
+        '<table class="v-table"><tr><th>i</th><th>x_i</th><th>little model\'s top q</th><th>NLL −log p_i(x_i)</th>'
+        "<th>vs τ2</th><th>verdict</th></tr>" + "".join(rows) + "</table>"
+    )
+
+
+def laws_html(step: Step, lane: LaneRecord | None = None) -> str:
+    """What p and q are in this panel, why a prefix can be −∞, and how many of the lane's iterations had
+    every prefix at −∞."""
+    text = (
+        "p and q are the <b>warped laws</b>: the target's and the draft's next-token distributions after this "
+        "run's temperature, top-k and top-p (greedy: plain softmax at T = 1) — the laws the rule compares, not "
+        "the raw models."
+    )
+    if any(not math.isfinite(v) for v in step.log_p):
+        text += (
+            " A <b>−∞</b> here is log 0: a drafted token lies outside the target's top-k / top-p, so the warped "
+            "target gives it probability 0, and every prefix containing it has joint log p = −∞ and fails."
+        )
+    if lane is not None:
+        drafted = [s for s in lane.steps if s.draft_ids]
+        dead = sum(1 for s in drafted if not any(math.isfinite(v) for v in s.log_p))
+        if dead:
+            text += (
+                f" In this lane {dead} of {len(drafted)} drafting iterations had <b>every</b> prefix at −∞: the "
+                "draft's first token was already outside what the warped target allows."
+            )
+    return f'<p class="v-laws">{text}</p>'
+
+
 def verdict_html(lane: LaneRecord, step: Step, tau: float, run_tau: float) -> str:
     """Why this prefix was accepted, in words, and what the rule says at the panel's tau."""
     g = len(step.draft_ids)
@@ -165,9 +298,10 @@ def verdict_html(lane: LaneRecord, step: Step, tau: float, run_tau: float) -> st
     passing = [str(j + 1) for j, ok in enumerate(mtad_passes(step.log_p, step.log_q, tau)) if ok]
     rule = f"τ = {tau:.3f} (log τ = {log_tau_text(tau)})"
     if lane.method in RULES:
+        followed = "" if lane.method == "bild" else " of the followed candidate"
         lines = [
-            f'{RULES[lane.method]}. It kept <b class="v-eta">{step.accepted}</b> of {g} draft tokens of the followed '
-            "candidate, then added the target's token.",
+            f'{RULES[lane.method]}. It kept <b class="v-eta">{step.accepted}</b> of {g} draft tokens{followed}, '
+            "then added the target's token.",
             f"For comparison, MTAD's joint rule at {rule} would accept {eta} of this draft.",
         ]
     elif lane.method in ("mtad", "mtad-tree"):
@@ -203,9 +337,15 @@ def verdict_html(lane: LaneRecord, step: Step, tau: float, run_tau: float) -> st
 
 
 def verify_html(
-    lane: LaneRecord | None, index: int, tau: float, run_tau: float, tokenizer: object | None = None
+    lane: LaneRecord | None,
+    index: int,
+    tau: float,
+    run_tau: float,
+    tokenizer: object | None = None,
+    settings: dict | None = None,
 ) -> str:
-    """The whole panel text for iteration ``index`` of ``lane`` judged at ``tau``."""
+    """The whole panel text for iteration ``index`` of ``lane`` judged at ``tau`` (``settings``: the run's,
+    for BiLD's τ1 and τ2)."""
     if lane is None or not lane.steps:
         return '<div class="mtad-verify v-empty">Run a prompt, then pick an iteration of either lane to inspect.</div>'
     if lane.method == "ar":
@@ -220,16 +360,21 @@ def verify_html(
         + (f" with W = {len(step.beams)} beams" if step.beams else "")
         + "</div>"
     )
-    if not step.draft_ids:
+    fell_back = lane.method == "bild" and bool(step.draft_top_q)
+    if not step.draft_ids and not fell_back:
         return (
             f'<div class="mtad-verify">{head}<p>No draft this iteration: only one token of the budget was left, '
             "so the target generated it alone.</p></div>"
         )
     pieces = draft_pieces(lane, index, tokenizer, step.draft_ids)
-    parts = [head]
+    parts = [head, laws_html(step, lane)]
     parts.append(candidates_html(lane, step, tokenizer))
     if lane.method in ("mtad", "mtad-tree"):
         parts += [beams_html(lane, step, tokenizer) if not step.candidates else "", mtad_table(step, pieces, tau)]
+    elif lane.method in ("spectr", "specinfer") and step.walk:
+        parts += [multidraft_table(lane, step, tokenizer)]
+    elif lane.method == "bild" and step.draft_top_q is not None:
+        parts += [bild_table(lane, step, tokenizer, settings or {})]
     else:
         parts += [sd_table(step, pieces)]
     parts.append(verdict_html(lane, step, tau, run_tau))
@@ -241,13 +386,96 @@ def _floor(values: list[float], extra: float) -> float:
     return (min(finite) if finite else 0.0) - 2.0
 
 
-def verify_figure(lane: LaneRecord | None, index: int, tau: float) -> go.Figure:
-    """MTAD: log p_j − log q_j per prefix with the log τ line; SD: per-token log p/q against log u."""
+def walk_figure(lane: LaneRecord, step: Step) -> go.Figure:
+    """Spectr / SpecInfer (sampled): each try's acceptance probability as a bar, its uniform draw as a
+    diamond; a try passes when its draw lies below its bar."""
+    spectr = lane.method == "spectr"
+    xs, bars, us, ok = [], [], [], []
+    for i, t in enumerate(step.walk):
+        rho = t["rho"] or 1.0
+        for k in range(len(t["p"])):
+            p, q = t["p"][k], t["q"][k]
+            xs.append(f"{i + 1}.{k + 1}")
+            bars.append(min(1.0, p / (rho * q)) if q > 0 else 1.0)
+            us.append(t["u"][k])
+            ok.append(t["accepted"] == k)
+    fig = go.Figure()
+    rule = "min(1, p/(ρq))" if spectr else "min(1, p_k/q)"
+    fig.add_trace(
+        go.Bar(
+            x=xs,
+            y=bars,
+            marker={"color": [PASS if o else FAIL for o in ok]},
+            text=[f"{b:.2f}" for b in bars],
+            textposition="auto",
+            cliponaxis=False,
+            name=rule,
+        )
+    )
+    fig.add_trace(
+        go.Scatter(
+            x=xs,
+            y=us,
+            mode="markers",
+            marker={"symbol": "diamond", "size": 11, "color": "#a855f7"},
+            name="u (accept when below the bar)",
+        )
+    )
+    title = f"{lane.label}: each try's acceptance {rule} against its draw u: accepted {step.accepted}"
+    style(fig, title, "position.try", "probability", height=300)
+    fig.update_layout(showlegend=True, hovermode="closest")
+    fig.update_xaxes(type="category")
+    fig.update_yaxes(range=[0, 1.1])
+    return fig
+
+
+def bild_figure(lane: LaneRecord, step: Step, settings: dict) -> go.Figure:
+    """BiLD: each draft token's NLL under the target as a bar, with the τ2 line it must stay under."""
+    nll = [max(0.0, -v) if not math.isnan(v) else v for v in step.token_log_p]  # −log p ≥ 0: no −0.000
+    tau2 = settings.get("tau2")
+    top = max([v for v in nll if math.isfinite(v)] + [tau2 or 0.0]) + 1.0
+    fig = go.Figure(
+        go.Bar(
+            x=list(range(1, len(nll) + 1)),
+            y=[v if math.isfinite(v) else top for v in nll],
+            marker={
+                "color": [PASS if i < step.accepted else FAIL for i in range(len(nll))],
+                "pattern": {"shape": ["" if math.isfinite(v) else "/" for v in nll]},
+            },
+            text=[num(v) for v in nll],
+            textposition="auto",
+            cliponaxis=False,
+            name="NLL −log p_i(x_i)",
+        )
+    )
+    if tau2 is not None:
+        fig.add_hline(
+            y=tau2,
+            line_dash="dash",
+            line_color="#a855f7",
+            annotation_text=f"τ2 = {tau2:g}",
+            annotation_bgcolor="rgba(255, 255, 255, 0.85)",
+        )
+    title = f"BiLD: each draft token's NLL under the target against τ2: kept {step.accepted}"
+    style(fig, title, "draft token i", "NLL (nats)", height=300)
+    fig.update_layout(showlegend=False, hovermode="closest")
+    fig.update_xaxes(dtick=1)
+    return fig
+
+
+def verify_figure(lane: LaneRecord | None, index: int, tau: float, settings: dict | None = None) -> go.Figure:
+    """MTAD: log p_j − log q_j per prefix with the log τ line; SD: per-token log p/q against log u;
+    Spectr / SpecInfer: each try's acceptance against its draw; BiLD: each token's NLL against τ2."""
     fig = go.Figure()
     if lane is None or not lane.steps or lane.method == "ar":
         return style(fig, "Pick an iteration", "", "", height=280)
     index = max(0, min(int(index), len(lane.steps) - 1))
     step = lane.steps[index]
+    sampled_walk = step.walk and any(t.get("u") is not None for t in step.walk)
+    if lane.method in ("spectr", "specinfer") and sampled_walk and step.draft_ids:
+        return walk_figure(lane, step)
+    if lane.method == "bild" and step.draft_top_q:
+        return bild_figure(lane, step, settings or {})
     js = list(range(1, len(step.draft_ids) + 1))
     threshold = log_tau(tau)
     if lane.method in ("mtad", "mtad-tree"):
@@ -312,7 +540,11 @@ def verify_figure(lane: LaneRecord | None, index: int, tau: float) -> go.Figure:
             )
         if step.accepted:
             fig.add_vrect(x0=0.5, x1=step.accepted + 0.5, fillcolor=PASS, opacity=0.08, line_width=0)
-        style(fig, f"SD: per-token log p/q against the uniform draw: accepted {step.accepted}", "draft token i", "log")
+        if lane.method == "sd":
+            title = f"SD: per-token log p/q against the uniform draw: accepted {step.accepted}"
+        else:
+            title = f"{lane.label}: per-token log p/q of the followed draft: accepted {step.accepted}"
+        style(fig, title, "draft token i", "log")
     fig.update_layout(showlegend=lane.method == "sd", hovermode="closest")
     fig.update_xaxes(dtick=1)
     return fig

@@ -1,0 +1,78 @@
+"""Record the race the page shows a first visitor before anyone presses Run: ``python scripts/record_race.py``.
+
+Runs the page's own lanes (``mtad.ui.runner.run_lanes``: SD, MTAD and AR one after another, each on its
+own clock) on the smollm2 pair with the page's default settings and the pair's first example prompt, and
+writes each lane's clock and token counts, with the device it ran on, to ``assets/race.json`` (a few kB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from mtad.decoding import encode_prompt  # noqa: E402
+from mtad.pair import presets  # noqa: E402
+from mtad.ui.inputs import DEFAULTS, example_prompts  # noqa: E402
+from mtad.ui.race import RACE_FILE, curves_of  # noqa: E402
+from mtad.ui.record import LaneRecord, RunRecord  # noqa: E402
+from mtad.ui.runner import PAIRS, run_lanes  # noqa: E402
+
+
+def cpu_name() -> str:
+    """The CPU's model name from /proc/cpuinfo (else the platform's word for it)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pair", default="smollm2")
+    parser.add_argument("--out", type=Path, default=RACE_FILE)
+    args = parser.parse_args()
+    pair = PAIRS.get(args.pair)
+    prompt = example_prompts(presets()[args.pair])[0][1]
+    settings = DEFAULTS
+    ids = encode_prompt(pair, prompt, settings)
+    methods = ["sd", "mtad", "ar"]
+    record = RunRecord(pair=args.pair, device="", prompt=prompt, settings=settings.to_dict())
+    record.lanes = {m: LaneRecord(method=m, prompt_ids=ids) for m in methods}
+    for _ in run_lanes(pair, record, settings, threading.Event()):
+        pass
+    threads = torch.get_num_threads()
+    device = (
+        torch.cuda.get_device_name(pair.device)
+        if pair.device.type == "cuda"
+        else f"{cpu_name()}, {threads} thread{'s' if threads != 1 else ''}"
+    )
+    data = {
+        "pair": args.pair,
+        "device": device,
+        "dtype": str(pair.dtype).removeprefix("torch."),
+        "recorded": datetime.date.today().isoformat(),
+        "prompt": prompt,
+        "settings": {k: settings.to_dict()[k] for k in ("tau", "beams", "gamma", "max_new_tokens", "greedy", "seed")},
+        "lanes": curves_of(list(record.lanes.values())),
+    }
+    args.out.write_text(json.dumps(data, indent=1) + "\n")
+    for lane in data["lanes"]:
+        print(f"{lane['label']}: {lane['tokens'][-1]} tokens in {lane['seconds'][-1]:.2f} s")
+    print(f"wrote {args.out} ({args.out.stat().st_size} bytes)")
+
+
+if __name__ == "__main__":
+    main()
