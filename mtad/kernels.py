@@ -188,26 +188,37 @@ def _rebuilt(cls: type[nn.Linear], child: nn.Linear) -> nn.Linear:
 
 
 @torch.inference_mode()
-def forward_ms(model: nn.Module, tokens: int, context: int = 100, reps: int = 7) -> float:
-    """Median milliseconds of one forward of ``tokens`` new tokens after a ``context``-token cache."""
+def forward_ms(
+    models: dict[str, nn.Module], tokens: tuple[int, ...] = PROBE_ROWS, context: int = 100, reps: int = 7
+) -> dict:
+    """Median milliseconds of one forward of each count of new tokens after a ``context``-token cache,
+    for each model, in rounds that alternate the models (so a busy machine slows them alike)."""
     from transformers import DynamicCache
 
-    vocab = model.config.vocab_size
-    times = []
+    times: dict[str, dict[int, list[float]]] = {k: {n: [] for n in tokens} for k in models}
     for _ in range(reps):
-        cache = DynamicCache(config=model.config)
-        model(input_ids=torch.randint(0, vocab, (1, context)), past_key_values=cache, use_cache=True, logits_to_keep=1)
-        t0 = time.perf_counter()
-        model(
-            input_ids=torch.randint(0, vocab, (1, tokens)), past_key_values=cache, use_cache=True, logits_to_keep=tokens
-        )
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1000
+        for name, model in models.items():
+            vocab = model.config.vocab_size
+            for n in tokens:
+                cache = DynamicCache(config=model.config)
+                model(
+                    input_ids=torch.randint(0, vocab, (1, context)),
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+                t0 = time.perf_counter()
+                model(
+                    input_ids=torch.randint(0, vocab, (1, n)), past_key_values=cache, use_cache=True, logits_to_keep=n
+                )
+                times[name][n].append(time.perf_counter() - t0)
+    return {k: {n: statistics.median(ts) * 1000 for n, ts in by_n.items()} for k, by_n in times.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m mtad.kernels``: what each linear kernel costs here for a pair's target, and which one a
-    load would choose: the probe's figures, then whole forwards of 1 and 5 tokens with each kernel."""
+    load would choose: the probe's figures, then whole forwards of 1 and 5 tokens with each kernel,
+    the kernels alternating (medians of 7 rounds)."""
     import argparse
 
     from mtad.pair import load_pair, resolve_dtype
@@ -227,12 +238,16 @@ def main(argv: list[str] | None = None) -> int:
         f"PyTorch dispatches to {torch.backends.cpu.get_cpu_capability()}"
     )
     timed = probe(probe_weights(target), allowed)
+    models = {}
+    for k in allowed:
+        models[k] = copy.deepcopy(target)
+        use_linear_kernel(models[k], k)
+    fwd = forward_ms(models)
     print(
         f"{'kernel':12s} {'probe 1 row':>12s} {'probe 5 rows':>13s} {'forward 1 tok':>14s} {'forward 5 tok':>14s} {'5 / 1':>6s}"
     )
     for k in allowed:
-        use_linear_kernel(target, k)
-        one, five = forward_ms(target, 1), forward_ms(target, 5)
+        one, five = fwd[k][1], fwd[k][5]
         print(
             f"{k:12s} {timed[k][1] * 1e6:10.0f}µs {timed[k][5] * 1e6:11.0f}µs {one:11.1f} ms {five:11.1f} ms {five / one:6.2f}"
         )

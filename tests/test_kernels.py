@@ -145,3 +145,16 @@ def test_a_prepacked_layer_survives_a_deep_copy_and_a_dtype_change() -> None:
         got = half(x.bfloat16())
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=3e-2)
+
+
+def test_the_report_times_every_kernel_and_names_the_choice(capsys: pytest.CaptureFixture[str]) -> None:
+    from mtad.kernels import main
+
+    assert main(["--pair", "embedded", "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = [line.split()[0] for line in out[2:-1]]
+    assert rows == list(candidates(torch.float32))
+    assert out[-1].split(": ")[1] in rows
+    for line in out[2:-1]:
+        one, five = float(line.split()[3]), float(line.split()[5])
+        assert one > 0 and five > 0 and line.split()[-1] == f"{five / one:.2f}"
