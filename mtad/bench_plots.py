@@ -7,6 +7,7 @@ import importlib.util
 from collections.abc import Sequence
 from pathlib import Path
 
+import plotly.colors
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
@@ -122,8 +123,10 @@ def figure1(aggregates: Sequence[dict], subtitle: str = "") -> go.Figure | None:
     if not groups:
         return None
     fig = make_subplots(specs=[[{"secondary_y": True}]])
-    for label, rows in groups.items():
+    palette = plotly.colors.qualitative.Plotly
+    for g, (label, rows) in enumerate(groups.items()):
         x = [r["gamma"] for r in rows]
+        colour = palette[g % len(palette)]  # a group's two lines share its colour
         for metric, name, dash, right in (
             ("perplexity", "perplexity", None, False),
             ("repetition", "repeated 4-grams", "dash", True),
@@ -134,7 +137,7 @@ def figure1(aggregates: Sequence[dict], subtitle: str = "") -> go.Figure | None:
                     y=[r.get(metric) for r in rows],
                     name=f"MTJD {label}: {name}",
                     mode="lines+markers",
-                    line={"dash": dash} if dash else None,
+                    line={"color": colour, "dash": dash or "solid"},
                     error_y=_errors(rows, metric),
                 ),
                 secondary_y=right,
@@ -158,7 +161,7 @@ def figure1(aggregates: Sequence[dict], subtitle: str = "") -> go.Figure | None:
     )
     fig.update_xaxes(title_text="tokens decoded jointly, K", dtick=1)
     fig.update_yaxes(title_text="perplexity (target, T = 1)", secondary_y=False)
-    fig.update_yaxes(title_text="share of repeated 4-grams", secondary_y=True)
+    fig.update_yaxes(title_text="share of repeated 4-grams", range=[0, 1], secondary_y=True)
     fig.layout.meta = {"figure": FIGURE1}
     return fig
 

@@ -74,6 +74,8 @@ def test_figure1_draws_perplexity_left_and_repetition_right_against_k() -> None:
     ppl, rep = fig.data
     assert list(ppl.x) == [1, 2, 3] and list(ppl.y) == pytest.approx([2.6, 2.2, 1.8]) and ppl.yaxis == "y"
     assert list(rep.y) == pytest.approx([0.05, 0.1, 0.15]) and rep.yaxis == "y2" and rep.line.dash == "dash"
+    assert ppl.line.color == rep.line.color and ppl.line.dash == "solid"  # one colour per beam width and search
+    assert tuple(fig.layout.yaxis2.range) == (0, 1)  # repetition is a share
     assert list(ppl.error_y.array) == [0.1] * 3 and rep.error_y.array is None
     assert [(s.y0, s.yref) for s in fig.layout.shapes] == [(3.0, "y"), (0.02, "y2")]
     assert fig.layout.meta == {"figure": "figure1_mtjd"}

@@ -59,7 +59,7 @@ def beam_search(st: DecodeState, lm: CachedLM, g: int, stop_at_eos: bool = False
     if stop_at_eos:
         if lm.columns is not None:
             raise ValueError("stop_at_eos needs a model without a shortlist head")
-        eos = torch.tensor(sorted(st.eos_ids), dtype=torch.long, device=dev)
+        eos = sorted(st.eos_ids)  # Python ints: no host-to-device copy, no host read
         pad = torch.full((1, lm.vocab), float("-inf"), device=dev)
         pad[0, eos[0]] = 0.0  # a finished beam's only continuation: EOS again, at no cost
     for s in range(g):
@@ -87,7 +87,9 @@ def beam_search(st: DecodeState, lm: CachedLM, g: int, stop_at_eos: bool = False
             raw_x = torch.log_softmax(logits, dim=-1)[parent, col]
             hist_raw = torch.cat([hist_raw[parent], raw_x[:, None]], dim=1)
         if stop_at_eos:
-            done = done[parent] | torch.isin(tok, eos)
+            done = done[parent]
+            for e in eos:
+                done = done | (tok == e)
         if s < g - 1:
             lm.cache.reorder_cache(parent)
             tokens = tok[:, None]
