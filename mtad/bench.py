@@ -19,7 +19,7 @@ from mtad.decoding import encode_prompt
 from mtad.energy import EnergyMeter
 from mtad.pair import default_pair_name, presets
 from mtad.prompts import Prompt, read_prompts
-from mtad.settings import METHODS, Settings
+from mtad.settings import METHODS, Settings, uses_draft
 
 
 def parser() -> argparse.ArgumentParser:
@@ -151,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cases, seeds, prompts = prepare(args)
         out = output_dir(args.out)
         pair = load_pair_from_args(args)
-        longest = max(cases, key=lambda c: c.method != "ar").settings
+        longest = max(cases, key=lambda c: uses_draft(c.method)).settings  # the draft's context counts too
         encoded = []
         for p in prompts:
             try:

@@ -1,4 +1,5 @@
-"""Plotly figures of the bench's sweeps: speed and perplexity against τ, W or γ on two y-axes (paper Fig. 3, Table 7)."""
+"""Plotly figures of the bench's sweeps: speed and perplexity against τ, W or γ on two y-axes (paper Fig. 3, Table 7),
+and MTJD's perplexity and repetition against its block length K (paper Fig. 1)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import importlib.util
 from collections.abc import Sequence
 from pathlib import Path
 
+import plotly.colors
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
@@ -96,6 +98,74 @@ def sweep_figure(aggregates: Sequence[dict], param: str, subtitle: str = "") -> 
     return fig
 
 
+FIGURE1 = "figure1_mtjd"
+
+
+def figure1_series(aggregates: Sequence[dict]) -> dict[str, list[dict]]:
+    """MTJD rows grouped by beam width and search (one line each), sorted by K; only groups with 2+ K's."""
+    groups: dict[str, list[dict]] = {}
+    for r in aggregates:
+        if r["method"] == "mtjd" and r.get("gamma") is not None and not r.get("error"):
+            groups.setdefault(f"W={r['beams']:g} {r['draft_mode']}", []).append(r)
+    return {k: sorted(v, key=lambda r: r["gamma"]) for k, v in groups.items() if len({r["gamma"] for r in v}) > 1}
+
+
+def ar_row(aggregates: Sequence[dict]) -> dict | None:
+    """AR's row, when it ran and did not fail: the target's own decoding, for reference."""
+    return next((r for r in aggregates if r["method"] == "ar" and not r.get("error")), None)
+
+
+def figure1(aggregates: Sequence[dict], subtitle: str = "") -> go.Figure | None:
+    """The paper's Figure 1: MTJD's pooled perplexity (left axis, solid) and share of repeated 4-grams (right
+    axis, dashed) against K, one pair of lines per beam width and search, error bars the per-run std; AR's
+    two figures as dotted lines. None when no MTJD row was swept over K."""
+    groups = figure1_series(aggregates)
+    if not groups:
+        return None
+    fig = make_subplots(specs=[[{"secondary_y": True}]])
+    palette = plotly.colors.qualitative.Plotly
+    for g, (label, rows) in enumerate(groups.items()):
+        x = [r["gamma"] for r in rows]
+        colour = palette[g % len(palette)]  # a group's two lines share its colour
+        for metric, name, dash, right in (
+            ("perplexity", "perplexity", None, False),
+            ("repetition", "repeated 4-grams", "dash", True),
+        ):
+            fig.add_trace(
+                go.Scatter(
+                    x=x,
+                    y=[r.get(metric) for r in rows],
+                    name=f"MTJD {label}: {name}",
+                    mode="lines+markers",
+                    line={"color": colour, "dash": dash or "solid"},
+                    error_y=_errors(rows, metric),
+                ),
+                secondary_y=right,
+            )
+    ar = ar_row(aggregates)
+    if ar is not None:
+        for metric, text, right in (("perplexity", "AR perplexity", False), ("repetition", "AR repetition", True)):
+            if ar.get(metric) is not None:
+                fig.add_hline(
+                    y=ar[metric],
+                    line_dash="dot",
+                    line_color="gray" if right else None,
+                    annotation_text=text,
+                    secondary_y=right,
+                )
+    fig.update_layout(
+        title="MTJD: perplexity and repetition against the block length K (the paper's Figure 1)"
+        + (f"<br><sub>{subtitle}</sub>" if subtitle else ""),
+        template="plotly_white",
+        legend={"orientation": "h", "y": -0.2},
+    )
+    fig.update_xaxes(title_text="tokens decoded jointly, K", dtick=1)
+    fig.update_yaxes(title_text="perplexity (target, T = 1)", secondary_y=False)
+    fig.update_yaxes(title_text="share of repeated 4-grams", range=[0, 1], secondary_y=True)
+    fig.layout.meta = {"figure": FIGURE1}
+    return fig
+
+
 def _errors(rows: Sequence[dict], metric: str) -> dict | None:
     std = [r.get(f"{metric}_std") for r in rows]
     if all(s is None for s in std):
@@ -111,10 +181,11 @@ def kaleido_available() -> bool:
 def save_sweep_figures(
     aggregates: Sequence[dict], out: Path, subtitle: str = "", plotlyjs: str = "inline"
 ) -> list[Path]:
-    """Write ``tau_sweep``/``beam_sweep``/``gamma_sweep`` as HTML (and PNG with kaleido) for each swept setting."""
+    """Write ``tau_sweep``/``beam_sweep``/``gamma_sweep`` as HTML (and PNG with kaleido) for each swept setting,
+    and ``figure1_mtjd`` when MTJD was swept over K."""
     paths = []
-    for param, (name, _) in SWEEPS.items():
-        fig = sweep_figure(aggregates, param, subtitle)
+    figs = [(name, sweep_figure(aggregates, param, subtitle)) for param, (name, _) in SWEEPS.items()]
+    for name, fig in [*figs, (FIGURE1, figure1(aggregates, subtitle))]:
         if fig is None:
             continue
         html = out / f"{name}.html"

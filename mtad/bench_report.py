@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from mtad.bench_plots import save_sweep_figures
+from mtad.bench_plots import ar_row, figure1_series, save_sweep_figures
 from mtad.bench_run import BenchResult
 from mtad.events import json_safe
 from mtad.pair import ModelPair
@@ -90,6 +90,8 @@ def render_table(aggregates: Sequence[dict], energy_note: str | None = None) -> 
     out = [text_table(header, [[cell(r) for _, cell in TABLE_COLUMNS] for r in aggregates], LEFT)]
     common = aggregates[0]["common_prompts"] if aggregates else 0
     out.append(LEGEND.format(common=common))
+    if any(r["method"] == "mtjd" for r in aggregates):
+        out.append("mtjd: γ is its block length K and W its beam width over the target; it drafts nothing.")
     curves = [(r["case"], r.get("acceptance_by_position") or []) for r in aggregates]
     if any(c for _, c in curves):
         out.append("acceptance by draft position (token i kept, given tokens 1..i-1 were):")
@@ -102,7 +104,39 @@ def render_table(aggregates: Sequence[dict], energy_note: str | None = None) -> 
             out.append(f"{r['case']} ran out of its time budget after {r['runs']} run(s)")
     if energy_note:
         out.append(f"J/token n/a: {energy_note}")
+    figure1 = figure1_table(aggregates)
+    if figure1 is not None:
+        out.append("\n" + figure1)
     return "\n".join(out)
+
+
+def figure1_table(aggregates: Sequence[dict]) -> str | None:
+    """The paper's Figure 1 as text: per MTJD row swept over K, its K, W, search, pooled perplexity,
+    repetition, speed and target forwards per token, AR's row first when it ran; None without such a sweep."""
+    groups = figure1_series(aggregates)
+    if not groups:
+        return None
+
+    def figures(r: dict) -> list[str]:
+        be = r.get("block_efficiency")
+        return [fmt(r.get(k)) for k in ("perplexity", "repetition", "tokens_per_second")] + [
+            fmt(1 / be if be else None),
+            str(r["runs"]),
+        ]
+
+    header = ["K", "W", "search", "perplexity", "rep. 4-grams", "speed (tok/s)", "target calls/token", "runs"]
+    ar = ar_row(aggregates)
+    body = [["AR", "-", "-", *figures(ar)]] if ar is not None else []
+    body += [
+        [f"{r['gamma']:g}", f"{r['beams']:g}", r["draft_mode"], *figures(r)] for rows in groups.values() for r in rows
+    ]
+    return "\n".join(
+        [
+            "MTJD against K (the paper's Figure 1): K tokens a step by beam search over the target; K = 1 is the",
+            "target's own decoding. A perplexity drop that comes with more repeated 4-grams is a loop, not better text.",
+            text_table(header, body, 3),
+        ]
+    )
 
 
 def environment(

@@ -50,8 +50,9 @@ class Case:
 
     @property
     def label(self) -> str:
-        """E.g. ``mtad γ=4 W=8 τ=0.1`` (``beam-sample`` appended when the draft is sampled)."""
-        names = {"gamma": "γ", "beams": "W", "tau": "τ"}
+        """E.g. ``mtad γ=4 W=8 τ=0.1`` (``beam-sample`` appended when the draft is sampled); MTJD's γ is its
+        block length, ``mtjd K=4 W=8``."""
+        names = {"gamma": "K" if self.method == "mtjd" else "γ", "beams": "W", "tau": "τ"}
         uses = DECODERS[self.method].uses
         parts = [f"{names[k]}={getattr(self.settings, k):g}" for k in SWEPT if k in uses]
         if "draft_mode" in uses and self.settings.draft_mode != Settings().draft_mode:

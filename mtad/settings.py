@@ -5,8 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
-METHODS = ("ar", "sd", "mtad", "mtad-tree", "bild", "spectr", "specinfer", "hf-assisted")
+METHODS = ("ar", "sd", "mtad", "mtad-tree", "bild", "spectr", "specinfer", "hf-assisted", "mtjd")
 """The registered decoders (``mtad.decoding.DECODERS``, which a test keeps equal to this)."""
+WITHOUT_DRAFT = ("ar", "mtjd")
+"""Methods that run the target alone: AR, and MTJD (multi-token joint decoding, which MTAD approximates)."""
 MULTI_DRAFT = ("spectr", "specinfer")
 """Methods that draft ``num_drafts`` i.i.d. sequences and verify them all in one target forward."""
 METHOD_DEFAULTS: dict[str, dict[str, object]] = {"bild": {"gamma": 10}}
@@ -24,6 +26,11 @@ class Settings:
     Sampling defaults are the paper's (T=1, top-k 20, top-p 0.9). ``greedy`` is the
     T→0 limit: argmax everywhere, no randomness. ``num_drafts`` (m) is Spectr's and SpecInfer's
     draft count; ``tau1``/``tau2`` are BiLD's fallback and rollback thresholds (paper defaults).
+
+    MTJD reuses three fields: ``gamma`` is its block length K, ``beams`` its beam width W over the
+    target and ``draft_mode`` its search (``beam``: top-W beam search; ``beam-sample``: stochastic beam
+    sampling). The same fields, not new ones, so that MTAD and the MTJD it approximates run at the same
+    K = γ, W and search by construction (the comparison of the two reads one ``Settings``).
     """
 
     method: str = "mtad"
@@ -47,8 +54,9 @@ class Settings:
             raise ValueError(f"method must be one of {', '.join(METHODS)}; got {self.method!r}")
         if self.draft_mode not in DRAFT_MODES:
             raise ValueError(f"draft mode must be one of {', '.join(DRAFT_MODES)}; got {self.draft_mode!r}")
-        _int_in("gamma (draft length)", self.gamma, *GAMMA_RANGE)
-        _int_in("beams", self.beams, *BEAMS_RANGE)
+        mtjd = self.method == "mtjd"
+        _int_in("K (MTJD block length, gamma)" if mtjd else "gamma (draft length)", self.gamma, *GAMMA_RANGE)
+        _int_in("beams (MTJD's beam width W over the target)" if mtjd else "beams", self.beams, *BEAMS_RANGE)
         if not _finite(self.tau) or not 0.0 <= self.tau <= 1.0:
             raise ValueError(f"tau must be between 0 and 1 (inclusive); got {self.tau}")
         _int_in("num drafts (m)", self.num_drafts, *DRAFTS_RANGE)
@@ -87,6 +95,11 @@ class Settings:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def uses_draft(method: str) -> bool:
+    """Whether ``method`` runs the draft model (and so needs its context length and a draft cache)."""
+    return method not in WITHOUT_DRAFT
 
 
 def _finite(x: float) -> bool:

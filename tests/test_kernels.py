@@ -157,4 +157,4 @@ def test_the_report_times_every_kernel_and_names_the_choice(capsys: pytest.Captu
     assert out[-1].split(": ")[1] in rows
     for line in out[2:-1]:
         one, five = float(line.split()[3]), float(line.split()[5])
-        assert one > 0 and five > 0 and line.split()[-1] == f"{five / one:.2f}"
+        assert one > 0 and five > 0 and float(line.split()[-1]) == pytest.approx(five / one, abs=0.02)  # printed 0.1 ms

@@ -65,7 +65,7 @@ def test_the_counter_sees_every_kind_of_host_read(monkeypatch: pytest.MonkeyPatc
     assert counts == Counter(scalar=4, tolist=1)
 
 
-@pytest.mark.parametrize("method", ["ar", "sd", "mtad"])
+@pytest.mark.parametrize("method", ["ar", "sd", "mtad", "mtjd"])
 @pytest.mark.parametrize("greedy", [True, False])
 def test_one_host_read_per_iteration(monkeypatch: pytest.MonkeyPatch, embedded, method: str, greedy: bool) -> None:
     settings = Settings(method=method, greedy=greedy, max_new_tokens=60, gamma=3, beams=3, tau=0.1, seed=1)
@@ -76,7 +76,7 @@ def test_one_host_read_per_iteration(monkeypatch: pytest.MonkeyPatch, embedded, 
             step = DECODERS[method].step(st)
         assert counts == Counter(tolist=1), (step.index, counts)
         accepted += step.accepted
-    assert method == "ar" or accepted > 0  # the paths after an acceptance ran too
+    assert method in ("ar", "mtjd") or accepted > 0  # the paths after an acceptance ran too
 
 
 @pytest.mark.parametrize("greedy", [True, False])
@@ -92,7 +92,7 @@ def test_mtad_tree_reads_the_host_twice_per_iteration(monkeypatch: pytest.Monkey
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: set_sync_debug_mode counts real syncs")
-@pytest.mark.parametrize("method", ["ar", "sd", "mtad"])
+@pytest.mark.parametrize("method", ["ar", "sd", "mtad", "mtjd"])
 def test_one_cuda_sync_per_iteration(method: str) -> None:
     pair = load_pair("embedded", device="cuda")
     settings = Settings(method=method, max_new_tokens=40, gamma=3, beams=3, tau=0.1, seed=0)

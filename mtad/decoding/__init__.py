@@ -14,6 +14,7 @@ from mtad.decoding.bild import bild_step
 from mtad.decoding.hf_assisted import assisted_decode
 from mtad.decoding.mtad import mtad_step
 from mtad.decoding.mtad_tree import mtad_tree_step
+from mtad.decoding.mtjd import mtjd_step
 from mtad.decoding.rules import mtad_accept_length, mtad_passes
 from mtad.decoding.specinfer import specinfer_step
 from mtad.decoding.spectr import spectr_step
@@ -21,7 +22,7 @@ from mtad.decoding.speculative import sd_step
 from mtad.decoding.state import DecodeState
 from mtad.events import Run, Step
 from mtad.pair import ModelPair
-from mtad.settings import Settings
+from mtad.settings import Settings, uses_draft
 
 Decoder = Callable[[ModelPair, list[int], Settings], Iterator[Step]]
 """The one decoder signature: (pair, prompt ids, validated settings) -> Steps until the budget or EOS."""
@@ -62,6 +63,8 @@ DECODERS: dict[str, Method] = {
     "spectr": stepwise(spectr_step, ("gamma", "num_drafts"), exact=True),
     "specinfer": stepwise(specinfer_step, ("gamma", "num_drafts"), exact=True),
     "hf-assisted": Method(assisted_decode, ("gamma",), exact=True),
+    # the reference MTAD approximates: K = gamma tokens a step by beam search (W = beams) over the target
+    "mtjd": stepwise(mtjd_step, ("gamma", "beams", "draft_mode")),
 }
 
 __all__ = ["DECODERS", "Method", "decode", "encode_prompt", "generate", "mtad_accept_length", "mtad_passes"]
@@ -69,7 +72,7 @@ __all__ = ["DECODERS", "Method", "decode", "encode_prompt", "generate", "mtad_ac
 
 def check_fits(pair: ModelPair, n_prompt: int, settings: Settings) -> None:
     """Refuse a prompt + budget that runs past the models' context length."""
-    limit = pair.context_length(settings.method != "ar")
+    limit = pair.context_length(uses_draft(settings.method))
     if n_prompt + settings.max_new_tokens > limit:
         raise ValueError(
             f"prompt ({n_prompt} tokens) + max new tokens ({settings.max_new_tokens}) exceeds the "

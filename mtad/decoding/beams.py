@@ -1,4 +1,5 @@
-"""Beam drafting over the draft model: W beams scored by joint log q, cache kept per beam."""
+"""Beam search over one model's cache: MTAD drafts with it over the draft model, MTJD decodes with it over
+the target. W beams scored by their joint log-probability under the run's law, cache kept per beam."""
 
 from __future__ import annotations
 
@@ -6,57 +7,97 @@ from dataclasses import dataclass
 
 import torch
 
-from mtad.decoding.state import DecodeState
+from mtad.decoding.state import CachedLM, DecodeState
 
 
 @dataclass
-class BeamDraft:
+class Beams:
     """The W final beams (device tensors) and which one is best."""
 
     tokens: torch.Tensor  # [W, g] token ids
-    token_logq: torch.Tensor  # [W, g] per-token log q along each beam
-    scores: torch.Tensor  # [W] joint log q of each beam
+    token_logp: torch.Tensor  # [W, g] per-token log-probability along each beam (the run's law)
+    scores: torch.Tensor  # [W] joint log-probability of each beam
     best: torch.Tensor  # 0-d index of the highest-scoring beam
+    token_raw: torch.Tensor | None = None  # [W, g] per-token unwarped T = 1 log-probability, when asked for
+
+    @property
+    def token_logq(self) -> torch.Tensor:
+        """MTAD's name for :attr:`token_logp` when the searched model is the draft."""
+        return self.token_logp
 
 
-def beam_draft(st: DecodeState, g: int) -> BeamDraft:
-    """Run g steps of beam search (or stochastic beam sampling) with ``st.settings.beams`` beams.
+BeamDraft = Beams
+"""MTAD's beams over the draft model (the name its decoders and tests use)."""
 
-    Deterministic: keep the top-W of (beam log q + log q(next)) over W x V. Sampling: draw W
-    successors without replacement from softmax(beam log q + log warp(q)) via Gumbel-top-k,
-    which is exactly sampling without replacement and needs no host sync. The draft cache is
-    reordered with the beams (``reorder_cache`` also fans the single context row out to W rows)
-    and, at the end, reduced to the best beam's row.
+
+def beam_search(st: DecodeState, lm: CachedLM, g: int, stop_at_eos: bool = False, raw: bool = False) -> Beams:
+    """Run g steps of beam search (or stochastic beam sampling) with ``st.settings.beams`` beams over ``lm``,
+    the draft (MTAD) or the target (MTJD), whose unseen context is ``st.pending(lm)``.
+
+    Deterministic: keep the top-W of (beam log p + log p(next)) over W x V, p the run's law (warped when
+    sampling, the plain T = 1 softmax when greedy). Sampling (``draft_mode`` ``beam-sample``): draw W
+    successors without replacement from softmax(beam log p + log warp(p)) via Gumbel-top-k, which is
+    exactly sampling without replacement and needs no host sync. The cache is reordered with the beams
+    (``KVCache.reorder`` also fans the single context row out to W rows) and, at the end, reduced to the best
+    beam's row: it then holds the context and the best beam's first g - 1 tokens.
+
+    ``stop_at_eos``: a beam that has written an end-of-sequence token is finished: it goes on only with
+    that token again at log-probability 0, so its score is the joint log p up to its EOS (``lm`` must have
+    no shortlist). ``raw``: also keep each token's unwarped T = 1 log-probability (MTJD's perplexity).
     """
     width = st.settings.beams
     stochastic = st.settings.draft_mode == "beam-sample"
-    draft = st.draft
-    tokens = st.pending(draft)
-    beam_scores = torch.zeros(1, device=st.device)
-    hist = torch.empty(1, 0, dtype=torch.long, device=st.device)
-    hist_lq = torch.empty(1, 0, device=st.device)
-    parent = torch.zeros(1, dtype=torch.long, device=st.device)
+    dev = st.device
+    tokens = st.pending(lm)
+    beam_scores = torch.zeros(1, device=dev)
+    hist = torch.empty(1, 0, dtype=torch.long, device=dev)
+    hist_lp = torch.empty(1, 0, device=dev)
+    hist_raw = torch.empty(1, 0, device=dev)
+    parent = torch.zeros(1, dtype=torch.long, device=dev)
+    done = torch.zeros(1, dtype=torch.bool, device=dev)
+    stop_at_eos = stop_at_eos and bool(st.eos_ids)
+    if stop_at_eos:
+        if lm.columns is not None:
+            raise ValueError("stop_at_eos needs a model without a shortlist head")
+        eos = sorted(st.eos_ids)  # Python ints: no host-to-device copy, no host read
+        pad = torch.full((1, lm.vocab), float("-inf"), device=dev)
+        pad[0, eos[0]] = 0.0  # a finished beam's only continuation: EOS again, at no cost
     for s in range(g):
-        lq = st.draft_logq(tokens)  # [B, C] over the draft's columns
-        k = min(width, lq.numel())
-        key = lq
+        logits = st.run_next(lm, tokens)  # [B, C] over the model's columns
+        lp = st.judged(logits)
+        if stop_at_eos:
+            lp = torch.where(done[:, None], pad, lp)
+        k = min(width, lp.numel())
+        key = lp
         if stochastic:
-            u = torch.rand(lq.shape, generator=st.generator, device=st.device)
-            key = lq + -torch.log(-torch.log(u.clamp_min(1e-20)))
+            u = torch.rand(lp.shape, generator=st.generator, device=dev)
+            key = lp + -torch.log(-torch.log(u.clamp_min(1e-20)))
         # the top k of (beam score + key) over B x C lie among each row's own top k (a row shares
         # its beam score): two small top-k's instead of one over B x C, a sort-free 3x less work
         row_key, row_col = key.topk(min(k, key.shape[-1]), dim=-1)
         pick = torch.topk((beam_scores[:, None] + row_key).view(-1), k).indices
         parent = pick // row_key.shape[-1]
         col = row_col.view(-1)[pick]
-        lq_x = lq[parent, col]
-        tok = st.draft_tokens(col)
-        beam_scores = beam_scores[parent] + lq_x
+        lp_x = lp[parent, col]
+        tok = st.tokens_of(lm, col)
+        beam_scores = beam_scores[parent] + lp_x
         hist = torch.cat([hist[parent], tok[:, None]], dim=1)
-        hist_lq = torch.cat([hist_lq[parent], lq_x[:, None]], dim=1)
+        hist_lp = torch.cat([hist_lp[parent], lp_x[:, None]], dim=1)
+        if raw:
+            raw_x = torch.log_softmax(logits, dim=-1)[parent, col]
+            hist_raw = torch.cat([hist_raw[parent], raw_x[:, None]], dim=1)
+        if stop_at_eos:
+            done = done[parent]
+            for e in eos:
+                done = done | (tok == e)
         if s < g - 1:
-            draft.cache.reorder(parent)
+            lm.cache.reorder(parent)
             tokens = tok[:, None]
     best = beam_scores.argmax()
-    draft.cache.select_rows(parent.index_select(0, best.view(1)))
-    return BeamDraft(tokens=hist, token_logq=hist_lq, scores=beam_scores, best=best)
+    lm.cache.select_rows(parent.index_select(0, best.view(1)))
+    return Beams(tokens=hist, token_logp=hist_lp, scores=beam_scores, best=best, token_raw=hist_raw if raw else None)
+
+
+def beam_draft(st: DecodeState, g: int) -> Beams:
+    """MTAD's draft: :func:`beam_search` over the draft model, W beams scored by joint log q."""
+    return beam_search(st, st.draft, g)

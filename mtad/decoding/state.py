@@ -12,7 +12,7 @@ from mtad.decoding.kv import KVCache
 from mtad.events import Step
 from mtad.pair import ModelPair
 from mtad.sampling import log_probs, make_generator
-from mtad.settings import Settings
+from mtad.settings import Settings, uses_draft
 
 
 class CachedLM:
@@ -96,7 +96,7 @@ class DecodeState:
         """Fresh caches, buffer, generator and timer for one generation (set-up time is billed to the first
         iteration, so a run's seconds cover all of its work)."""
         started = time.perf_counter()
-        needs_draft = settings.method != "ar"
+        needs_draft = uses_draft(settings.method)
         return cls(
             settings=settings,
             ids=list(prompt_ids),
@@ -140,10 +140,20 @@ class DecodeState:
     def run_draft(self, tokens: torch.Tensor) -> torch.Tensor:
         """One draft forward over ``tokens`` [B, n]; the last position's logits over the draft's
         columns [B, C] (C = V, or a shortlist draft's K: map indices with :meth:`draft_tokens`)."""
+        return self.run_next(self.draft, tokens)
+
+    def run_next(self, lm: CachedLM, tokens: torch.Tensor) -> torch.Tensor:
+        """One forward of ``lm`` (the draft or the target) over ``tokens`` [B, n], timed in its own phase;
+        the last position's logits [B, C] over its columns (a shortlist draft's, else the vocabulary)."""
+        phase = "draft" if lm is self.draft else "target"
         t0 = self.timer.mark()
-        logits = self.draft.feed(tokens, keep=1, columns=True)[:, -1]
-        self.spans["draft"].append((t0, self.timer.mark()))
+        logits = lm.feed(tokens, keep=1, columns=True)[:, -1]
+        self.spans[phase].append((t0, self.timer.mark()))
         return logits
+
+    def tokens_of(self, lm: CachedLM, index: torch.Tensor) -> torch.Tensor:
+        """Token ids of column indices of :meth:`run_next`'s output for ``lm``."""
+        return index if lm.columns is None else lm.columns.take(index)  # take: no host read of a 0-d index
 
     def draft_logq(self, tokens: torch.Tensor) -> torch.Tensor:
         """One draft forward, judged: log q over the draft's columns [B, C]. Off a shortlist q is 0,
@@ -152,8 +162,7 @@ class DecodeState:
 
     def draft_tokens(self, index: torch.Tensor) -> torch.Tensor:
         """Token ids of column indices of :meth:`draft_logq`'s output."""
-        cols = self.draft.columns
-        return index if cols is None else cols.take(index)  # take: a 0-d index is not read on the host
+        return self.tokens_of(self.draft, index)
 
     def draft_full(self, logq: torch.Tensor) -> torch.Tensor:
         """Column log q [..., C] spread over the whole vocabulary [..., V] (-inf off the shortlist)."""
@@ -188,7 +197,10 @@ class DecodeState:
 
     def finish(self, t0: float, step: Step, proposed: list[int], accepted_in_cache: int) -> Step:
         """Commit ``proposed`` (accepted drafts + target token), trim the trace to what was kept
-        after an EOS cut, and stamp the step's index, method and phase times."""
+        after an EOS cut, and stamp the step's index, method, target forwards and phase times.
+
+        ``target_calls`` is the number of target forwards the iteration ran (each one is timed, so
+        each left a span): one for every decoder that verifies in one forward, K for MTJD's beam search."""
         kept = self.commit(proposed, accepted_in_cache)
         step.appended_ids = kept
         step.accepted = min(step.accepted, len(kept))  # an EOS inside the accepted drafts ends the kept ones
@@ -197,7 +209,7 @@ class DecodeState:
         step.eos = kept[-1] in self.eos_ids
         step.index = self.steps_done
         step.method = self.settings.method
-        step.target_calls = 1
+        step.target_calls = len(self.spans["target"])
         wall = time.perf_counter() - t0  # after the iteration's host sync, so the device work is done
         step.draft_seconds = self.timer.seconds(self.spans["draft"])
         step.target_seconds = self.timer.seconds(self.spans["target"])

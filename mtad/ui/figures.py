@@ -9,7 +9,7 @@ from mtad.energy import trapezoid_joules
 from mtad.ui.record import LaneRecord
 
 COLOURS = {"sd": "#2563eb", "mtad": "#ea580c", "ar": "#6b7280", "mtad-tree": "#b45309"}
-COLOURS |= {"bild": "#7c3aed", "spectr": "#0d9488", "specinfer": "#db2777"}
+COLOURS |= {"bild": "#7c3aed", "spectr": "#0d9488", "specinfer": "#db2777", "mtjd": "#4d7c0f"}
 GRID = "rgba(128,128,128,0.25)"
 
 
@@ -50,10 +50,10 @@ def tokens_vs_seconds(lanes: list[LaneRecord]) -> go.Figure:
 
 
 def accepted_per_iteration(lanes: list[LaneRecord]) -> go.Figure:
-    """Draft tokens the target accepted at each iteration (AR accepts none, so it is left out)."""
+    """Draft tokens the target accepted at each iteration (AR and MTJD draft nothing, so they are left out)."""
     fig = go.Figure()
     for lane in lanes:
-        if not lane.steps or lane.method == "ar":
+        if not lane.steps or lane.method in ("ar", "mtjd"):
             continue
         fig.add_trace(
             go.Bar(

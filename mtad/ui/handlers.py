@@ -27,7 +27,7 @@ from mtad.ui.runner import CANCELS, OOM_MESSAGE, PAIRS, free_device_memory, run_
 from mtad.ui.waiting import LINE, full_text, place_text
 
 log = logging.getLogger(__name__)
-RACERS = ("sd", "mtad", "mtad-tree", "bild", "spectr", "specinfer")
+RACERS = ("sd", "mtad", "mtad-tree", "bild", "spectr", "specinfer", "mtjd")
 """The decoders a visitor may race against each other (the AR lane is the optional third)."""
 PLOT_EVERY = 2.0  # seconds between plot refreshes in Replay (a live run redraws them when a lane ends)
 LIVE_EVERY = 0.3  # seconds between live lane refreshes (a long run must not drown the browser)
@@ -179,6 +179,8 @@ def lane_note(method: str, settings: dict) -> str:
         return f"m = {settings.get('num_drafts')}, {g}"
     if method == "bild":
         return f"{g}, τ1 = {settings.get('tau1'):g}, τ2 = {settings.get('tau2'):g}"
+    if method == "mtjd":  # γ is its block length K, beam-searched over the target
+        return f"K = {settings.get('gamma')}, W = {settings.get('beams')}"
     return f"W = {settings.get('beams')}, {g}, τ = {settings.get('tau'):g}"
 
 

@@ -16,6 +16,7 @@ LABELS = {
     "bild": "BiLD",
     "spectr": "Spectr",
     "specinfer": "SpecInfer",
+    "mtjd": "MTJD (reference, slow)",
 }
 
 

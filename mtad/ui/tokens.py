@@ -36,6 +36,8 @@ def visible(piece: str) -> str:
 
 def target_kind(step: Step) -> str:
     """What the target's own token is in this step, in words."""
+    if step.method == "mtjd" and step.beams:
+        return f"target's token, from its best of {len(step.beams)} beams (MTJD)"
     if step.method == "ar" or not step.draft_ids:
         return "target token (autoregressive)"
     if step.method == "sd":

@@ -13,6 +13,7 @@ from mtad.text import token_pieces
 from mtad.ui.figures import style
 from mtad.ui.record import LaneRecord
 from mtad.ui.tokens import prob, visible
+from mtad.ui.verify_mtjd import panel_figure, panel_html
 
 PASS, FAIL = "#16a34a", "#dc2626"
 
@@ -352,6 +353,8 @@ def verify_html(
         return (
             '<div class="mtad-verify v-empty">The autoregressive lane drafts nothing: there is nothing to verify.</div>'
         )
+    if lane.method == "mtjd":  # the target's own beams: nothing drafted, nothing verified
+        return panel_html(lane, index, tokenizer)
     index = max(0, min(int(index), len(lane.steps) - 1))
     step = lane.steps[index]
     head = (
@@ -469,6 +472,8 @@ def verify_figure(lane: LaneRecord | None, index: int, tau: float, settings: dic
     fig = go.Figure()
     if lane is None or not lane.steps or lane.method == "ar":
         return style(fig, "Pick an iteration", "", "", height=280)
+    if lane.method == "mtjd":
+        return panel_figure(lane, index)
     index = max(0, min(int(index), len(lane.steps) - 1))
     step = lane.steps[index]
     sampled_walk = step.walk and any(t.get("u") is not None for t in step.walk)
