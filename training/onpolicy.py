@@ -103,9 +103,10 @@ def draft_terms(
     return {"accept": accept, "kl": kl, "ce": ce, "agree": agree.float()}
 
 
-def loss_of(terms: dict[str, torch.Tensor], kl_weight: float) -> torch.Tensor:
-    """Mean total variation of the warped laws (1 - acceptance) plus ``kl_weight`` x forward KL."""
-    return (1 - terms["accept"]).mean() + kl_weight * terms["kl"].mean()
+def loss_of(terms: dict[str, torch.Tensor], kl_weight: float, tv_weight: float = 1.0) -> torch.Tensor:
+    """``tv_weight`` x the mean total variation of the warped laws (1 - acceptance) plus ``kl_weight`` x
+    the forward KL."""
+    return tv_weight * (1 - terms["accept"]).mean() + kl_weight * terms["kl"].mean()
 
 
 # --------------------------------------------------------------------------- models
@@ -358,7 +359,7 @@ def train(args: argparse.Namespace) -> None:
             for g in opt.param_groups:
                 g["lr"] = lr
             terms = batch_terms(draft, rng.sample(buffer, min(args.batch, len(buffer))))
-            loss = loss_of(terms, args.kl_weight)
+            loss = loss_of(terms, args.kl_weight, args.tv_weight)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
@@ -418,6 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--minutes", type=float, default=150, help="training time of the whole run (cosine schedule)")
     ap.add_argument("--lr", type=float, default=3e-5)
     ap.add_argument("--kl-weight", type=float, default=0.3)
+    ap.add_argument("--tv-weight", type=float, default=1.0, help="0: forward KL alone, the committed draft's objective")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--gen-batch", type=int, default=16, help="replies the draft writes a round")
     ap.add_argument("--steps-per-round", type=int, default=12)
