@@ -90,7 +90,7 @@ def probs(logp: torch.Tensor) -> torch.Tensor:
     """The probabilities of normalised log-probabilities ``logp`` over the last dim.
 
     ``softmax`` rather than ``exp``: on the CPU, ``exp`` of the -inf entries warping leaves (all but
-    the top-k of a 49k vocabulary) takes a slow path, 20x its normal time; ``softmax`` does not, and
+    the top-k of a 49k vocabulary) takes a much slower path; ``softmax`` does not, and
     for normalised rows it is ``exp`` up to rounding.
     """
     return torch.softmax(logp, dim=-1)
