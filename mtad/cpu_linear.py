@@ -1,9 +1,8 @@
 """Linear layers computed the way a CPU reads bf16 weights fastest.
 
 A decoding forward multiplies a few rows of activations by every weight matrix, so it costs what
-it reads. On the CPUs measured (oneDNN, AMX and AVX512-BF16, torch 2.13) the bf16 product written
-``x @ W.T`` (``F.linear``) streams the weights about 1.5x slower than the same product written
-weight-first, ``(W @ x.T).T``, once there are two rows or more; for a single row both take a
+it reads. On AMX and AVX512-BF16 CPUs (oneDNN) the bf16 product written ``x @ W.T`` (``F.linear``)
+streams the weights slower than the same product written weight-first, ``(W @ x.T).T``, once there are two rows or more; for a single row both take a
 matrix-vector path that is slower still, so one row is computed as two identical rows. fp32 and
 other devices keep ``F.linear``, which is as fast or faster there. The values are the same product
 (fp32 accumulation, one bf16 rounding), not bit for bit the same sums.

@@ -1,8 +1,8 @@
 """A GGUF model, dequantised once into an ordinary transformers directory in the user's cache.
 
 transformers reads a GGUF file slowly (its tensor-name map is rebuilt per tensor, the file parsed
-twice, the tokenizer converted in Python): SmolLM2-135M took about 20 s on an idle 2-core CPU and
-75-100 s on a busy one, against about 2 s for the same weights as safetensors. So the first load
+twice, the tokenizer converted in Python), an order of magnitude slower than the same weights as
+safetensors. So the first load
 writes the dequantised fp32 weights, config and tokenizer to ``$MTAD_CACHE`` (default
 ``~/.cache/mtad``), keyed by the file's name, size and modification time; later loads read that.
 """

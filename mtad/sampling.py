@@ -44,9 +44,9 @@ def warp(logits: torch.Tensor, settings: Settings) -> torch.Tensor:
     """Temperature, then top-k, then top-p on [rows, V] logits, as transformers' warpers do.
 
     With top-k on (the paper's k=20), top-p only has to look at the top-k survivors: one ``topk``
-    replaces the full-vocabulary sort of ``TopPLogitsWarper`` (a third of MTAD's bookkeeping time
-    on the embedded pair). Like ``TopKLogitsWarper``, every token tied with the k-th logit survives
-    top-k: bf16 logits tie there often (at 39 % of SmolLM2's positions), and ``topk`` alone would
+    replaces the full-vocabulary sort of ``TopPLogitsWarper``, a large share of MTAD's bookkeeping.
+    Like ``TopKLogitsWarper``, every token tied with the k-th logit survives
+    top-k: bf16 logits tie there often, and ``topk`` alone would
     keep an arbitrary k of them. Those extra ties rank after the top k, among themselves by token
     id, and top-p keeps as many of them as its mass rule allows; all without a host read, so the
     decoders' one read per iteration stays one. Without top-k, transformers' warpers run as they are.
@@ -90,7 +90,7 @@ def probs(logp: torch.Tensor) -> torch.Tensor:
     """The probabilities of normalised log-probabilities ``logp`` over the last dim.
 
     ``softmax`` rather than ``exp``: on the CPU, ``exp`` of the -inf entries warping leaves (all but
-    the top-k of a 49k vocabulary) takes a slow path, 20x its normal time; ``softmax`` does not, and
+    the top-k of a 49k vocabulary) takes a much slower path; ``softmax`` does not, and
     for normalised rows it is ``exp`` up to rounding.
     """
     return torch.softmax(logp, dim=-1)
@@ -101,7 +101,7 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
 
     Exact for any weights: the draw is the first index whose cumulative weight exceeds u * total,
     u uniform in [0, 1), so a zero weight is never drawn. ``torch.multinomial`` draws the same law
-    but costs 30x as much over a 49k vocabulary on the CPU (1 ms a row).
+    but costs far more over a 49k vocabulary on the CPU.
     """
     flat = probs.reshape(-1, probs.shape[-1])
     cdf = flat.cumsum(dim=-1)

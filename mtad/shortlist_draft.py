@@ -73,9 +73,8 @@ class Int8Linear(nn.Module):
     One bf16 row on the CPU (SD's drafting) runs PyTorch's own int8-weight kernel
     (``aten._weight_int8pack_mm``), which reads half the bytes of a bf16 product. Several rows (beams,
     prefill), fp32 and other devices multiply by the dequantised matrix, kept after its first use: the
-    int8 kernel is slower than the dense bf16 product from two rows on (MTAD's 8 beams: 8.8 against
-    7.7 ms a SmolLM2 draft forward), and with fp32 activations at any size (4.0 against 1.4 ms for the
-    head's 8,192 rows). That dense product runs the kernel :mod:`mtad.kernels` chose for the model
+    int8 kernel is slower than the dense bf16 product from two rows on (MTAD's beams), and with fp32
+    activations at any size. That dense product runs the kernel :mod:`mtad.kernels` chose for the model
     (``kernel``: oneDNN with the dense matrix prepacked, else the weight-first product)."""
 
     def __init__(self, in_features: int, out_features: int) -> None:

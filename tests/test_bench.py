@@ -839,7 +839,7 @@ def test_train_pair_greedy_sd_figure_is_the_engines(tiny_dirs, tmp_path):
     target, so a second pair drafts with a copy of the target, which agrees everywhere (long runs)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from mtad.train_pair import simulate_greedy_sd
+    from training.embedded_pair import simulate_greedy_sd
 
     prompts_file = tmp_path / "p.jsonl"
     prompts_file.write_text(

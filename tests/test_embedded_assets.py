@@ -123,7 +123,26 @@ def test_heldout_list_matches_card():
     digest = hashlib.sha256((MODELS / "heldout_files.txt").read_bytes()).hexdigest()
     card = (MODELS / "MODEL_CARD.md").read_text(encoding="utf-8")
     assert digest in card
-    assert re.search(r"python -m mtad\.train_pair", card)
+    assert re.search(r"python -m training\.embedded_pair", card)
+
+
+def test_trainers_split_is_the_committed_heldout_list():
+    """The pair trainer's corpus split, run here, lists exactly the committed held-out files, in order."""
+    from training.embedded_pair import is_heldout, list_corpus
+
+    heldout = _heldout()
+    assert len(heldout) >= 30 and all(is_heldout(r) for r in heldout)
+    _skip_unless_trained_on_this_python()
+    train, held, _ = list_corpus()
+    assert held == heldout
+    assert not set(train) & set(heldout) and not any(is_heldout(r) for r in train)
+
+
+def _skip_unless_trained_on_this_python() -> None:
+    report = json.loads((MODELS / "train_report.json").read_text())
+    py = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    if not report["corpus"]["python"].startswith(py + "."):
+        pytest.skip(f"weights were trained on Python {report['corpus']['python']}'s stdlib, this is {py}")
 
 
 def test_code_prompts_only_from_heldout_files():

@@ -159,7 +159,7 @@ def instructions(heldout: bool) -> list[str]:
     """The trainer's instructions (the chat trainer's templates): every tenth instruction past the
     ones the committed draft was trained on is held out, the rest are for training. The benchmark's
     prompts are excluded by text."""
-    from mtad.train_chat_draft import chat_prompts, eval_prompts
+    from training.chat_draft import chat_prompts, eval_prompts
 
     prompts = chat_prompts(eval_prompts())
     held = set(range(SEEN, len(prompts), 10))
@@ -227,7 +227,7 @@ def sample_replies(draft: Any, tok: Any, prompts: list[str], seed: int, max_new:
 
 def target_replies(target: Any, tok: Any, prompts: list[str], seed: int, max_new: int) -> list[dict]:
     """The target's own sampled replies (the chat trainer's batched loop), as ids and reply start."""
-    from mtad.train_chat_draft import generate_batch
+    from training.chat_draft import generate_batch
 
     return [{"ids": s["ids"], "start": s["start"]} for s in generate_batch(target, tok, prompts, seed, max_new)]
 
@@ -298,7 +298,7 @@ def evaluate(draft: Any, heldout: list[dict], chunk: int = 8) -> dict[str, float
 def load_target() -> tuple[Any, Any]:
     """The smollm2 target as the pair runs it on this CPU (its best dtype and kernels), and its tokenizer."""
     from mtad.pair import auto_dtype, use_cpu_kernels
-    from mtad.train_chat_draft import load_target as load
+    from training.chat_draft import load_target as load
 
     target, tok = load(auto_dtype(torch.device("cpu")))
     return use_cpu_kernels(target), tok

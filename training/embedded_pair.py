@@ -18,12 +18,12 @@ Everything is reproducible from this file and the Python installation that runs 
 
 Usage::
 
-    python -m mtad.train_pair                 # prep, draft, target, distill, export + eval
-    python -m mtad.train_pair --resume        # continue from .train/ checkpoints
-    python -m mtad.train_pair --stage target --resume   # one stage: prep|draft|target|distill|export
-    python -m mtad.train_pair --eval          # held-out ppl, argmax agreement, greedy-SD simulation
-    python -m mtad.train_pair --bench         # measure training throughput of a few sizes
-    python -m mtad.train_pair --prompts assets/prompts/code.jsonl   # rebuild the code prompts
+    python -m training.embedded_pair                 # prep, draft, target, distill, export + eval
+    python -m training.embedded_pair --resume        # continue from .train/ checkpoints
+    python -m training.embedded_pair --stage target --resume   # one stage: prep|draft|target|distill|export
+    python -m training.embedded_pair --eval          # held-out ppl, argmax agreement, greedy-SD simulation
+    python -m training.embedded_pair --bench         # measure training throughput of a few sizes
+    python -m training.embedded_pair --prompts assets/prompts/code.jsonl   # rebuild the code prompts
 """
 
 from __future__ import annotations
@@ -627,7 +627,7 @@ def parse_size(s: str) -> Size:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m mtad.train_pair", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m training.embedded_pair", description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--work", type=Path, default=DEFAULT_WORK)
     ap.add_argument("--vocab-size", type=int, default=2048)

@@ -5,18 +5,35 @@ next-token distribution at every reply position (the batched loop drops rows as 
 from __future__ import annotations
 
 import hashlib
+import json
 
 import pytest
 import torch
 from conftest import smollm2_target
 
-from mtad.train_chat_draft import chat_prompts, eval_prompts, generate_batch, load_target, topk_targets
+from training import chat_draft
+from training.chat_draft import chat_prompts, eval_prompts, generate_batch, load_target, topk_targets
 
 # The first 4,320 instructions, which the shipped draft's producer used up; a producer resumes by index.
 FIRST_USED = 4320
 FIRST_SHA256 = "f4173a7615534abe996614af5c0bbaa2d2f3998e5a44b46dbf07324f7a7d0248"
 MAX_NEW = 10
 PROMPTS = ["Is water wet? Answer yes or no.", "Explain gravity to a ten-year-old.", "Write a haiku about tea."]
+# Generated from the trainer before its instructions moved from inline lists to training/data/ (commit
+# 2d878fc, mtad/train_chat_draft.py): the committed draft's card and training.onpolicy's held-out split
+# depend on this list, element for element and in order.
+ALL_COUNT = 14640
+ALL_SHA256 = "f93d31ba3ca40d2763ca5e06d7f2bad1a1912d836df3a64cfa975b4704470c0c"
+LISTS_SHA256 = {  # sha256 of each list's json.dumps, same commit
+    "TASKS": (20, "eb27a8395f31f32b3cf9556416ffd764142c9e22446779fac33003587e1f6f2a"),
+    "TOPICS": (164, "9ab505edc0e1504b849681dbd93225825e9a8ce7bb38ed9de535c3ff7d9a47dd"),
+    "CODE_TASKS": (5, "cd487a5b58019de13783eb3f972a8b2d8b3aff1b8cf995beb3e6523ceda5905f"),
+    "CODE": (40, "0a3de7a5a235e460633f55b34a48fd2c22e76d8f09d43134c219c5bf81051d6a"),
+    "MATH_TASKS": (12, "02d6cadd3b3ff7a17ae2e19027568174b08682a10b8da9b419c0d0c54c6f2844"),
+    "REASONING_TASKS": (6, "45f6f4f298fcf733b7cc22fd818cecdab9b9d109d3d51c8c2b6f0c742a6687e7"),
+    "MORE_TASKS": (30, "25d38b0c699f0785497aa90ee312e29cd655071dca81f33c89226dd9a89988f8"),
+    "MORE_TOPICS": (108, "06ac9ec487d04237d5daa83d2ef06ea55515b8a6fdfc7f46bc022b6100a64173"),
+}
 
 
 def test_instructions_never_include_a_benchmark_prompt() -> None:
@@ -34,6 +51,17 @@ def test_instructions_keep_a_resumed_producers_place() -> None:
     later = prompts[FIRST_USED:]
     assert len(set(later)) == len(later)
     assert not set(later) & set(prompts[:FIRST_USED])
+
+
+def test_instructions_read_from_data_files_are_the_inline_lists_they_replaced() -> None:
+    """Every template and topic file yields the old list, and the trainer's instructions are the old ones."""
+    for name, (count, digest) in LISTS_SHA256.items():
+        items = getattr(chat_draft, name)
+        assert len(items) == count, name
+        assert hashlib.sha256(json.dumps(items).encode()).hexdigest() == digest, name
+    prompts = chat_prompts(eval_prompts())
+    assert len(prompts) == ALL_COUNT
+    assert hashlib.sha256("\n".join(prompts).encode()).hexdigest() == ALL_SHA256
 
 
 @pytest.fixture(scope="module")

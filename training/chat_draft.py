@@ -7,6 +7,7 @@ the K tokens that carry the sampling mass) on two sources that exist offline:
 * **on-policy replies**: the target's own chat replies to templated instructions, sampled like
   the app samples (T=1, top-k 20, top-p 0.9); the teacher distribution at every reply position
   comes for free from the same sampling loop. This is what the draft sees at run time.
+  The instruction templates and their topics are ``training/data/*.txt``, one a line.
 * **Python documentation**: Debian's ``python3.11-doc`` plain-text sources
   (``/usr/share/doc/python3.11/html/_sources/**/*.rst.txt``), teacher-labelled in 512-token windows.
 
@@ -19,10 +20,10 @@ top-1), with a tied shortlist head: a 49k-token head would cost more than the la
 
 Usage::
 
-    python -m mtad.train_chat_draft --stage data  &      # producer, runs until --data-minutes
-    python -m mtad.train_chat_draft --stage train &      # trainer, --steps / --minutes, resumable
-    python -m mtad.train_chat_draft --stage export       # latest checkpoint -> assets/models/smollm2-draft
-    python -m mtad.train_chat_draft --stage eval         # held-out agreement and cost ratio
+    python -m training.chat_draft --stage data  &      # producer, runs until --data-minutes
+    python -m training.chat_draft --stage train &      # trainer, --steps / --minutes, resumable
+    python -m training.chat_draft --stage export       # latest checkpoint -> assets/models/smollm2-draft
+    python -m training.chat_draft --stage eval         # held-out agreement and cost ratio
 """
 
 from __future__ import annotations
@@ -47,147 +48,25 @@ SEED = 20261122
 LAYERS = (0, 1)  # which of the target's layers the draft starts from
 SHORTLIST = 8192  # tokens with an output row: 95% of the target's held-out top-1 choices
 
-TASKS = [
-    "Explain {t} to a ten-year-old.",
-    "Give three interesting facts about {t}.",
-    "Write a short poem about {t}.",
-    "What is {t}? Answer in two or three sentences.",
-    "Write a short story in which {t} plays an important role.",
-    "List the pros and cons of {t}.",
-    "How would you describe {t} to someone who has never heard of it?",
-    "Write a tweet about {t}.",
-    "Summarize the history of {t} in one paragraph.",
-    "What are common misconceptions about {t}?",
-    "Give me some tips related to {t}.",
-    "Write a haiku about {t}.",
-    "Why is {t} important?",
-    "Compare {t} with something similar and explain the differences.",
-    "Write a short dialogue between two friends talking about {t}.",
-    "Describe {t} in exactly five sentences.",
-    "What questions would a student ask about {t}? List five.",
-    "Write a limerick about {t}.",
-    "Give a step-by-step explanation of how {t} works.",
-    "Write a friendly email inviting a friend to learn about {t}.",
-]
-TOPICS = (
-    "the moon;volcanoes;photosynthesis;the water cycle;honey bees;the Roman Empire;black holes;recycling;"
-    "chess;coffee;the internet;rainbows;dinosaurs;electric cars;the human heart;gravity;democracy;bread baking;"
-    "the Amazon rainforest;penguins;solar energy;friendship;the printing press;earthquakes;vaccines;jazz music;"
-    "the Great Wall of China;octopuses;clouds;time zones;the Olympic Games;a healthy breakfast;sleep;"
-    "machine learning;prime numbers;the stock market;gardening;the color blue;libraries;bicycles;tea;"
-    "the periodic table;snowflakes;whales;the French Revolution;meditation;robots;the desert;mountains;"
-    "the ocean tides;maps;music festivals;plastic pollution;sharks;ancient Egypt;pyramids;the alphabet;"
-    "smartphones;volunteering;public transport;cats;dogs;the brain;climate change;rivers;fireflies;"
-    "sunflowers;the Renaissance;space travel;submarines;the Sahara;comets;migration of birds;glaciers;"
-    "cooking pasta;learning a language;the piano;football;marathons;kites;thunderstorms;owls;forests;"
-    "bridges;castles;trains;airplanes;the Eiffel Tower;chocolate;pizza;the immune system;DNA;atoms;magnets;"
-    "a lighthouse;city parks;board games;video games;podcasts;newspapers;the post office;money;banks;"
-    "taxes;elections;the Moon landing;Mars;Jupiter;Saturn's rings;the Sun;stars;telescopes;microscopes;"
-    "bacteria;mushrooms;coral reefs;frogs;butterflies;ants;spiders;elephants;giraffes;lions;wolves;"
-    "horses;rabbits;the seasons;autumn leaves;winter sports;summer holidays;camping;hiking;swimming;"
-    "yoga;running shoes;the Python programming language;sorting algorithms;recursion;databases;"
-    "passwords and online safety;email etiquette;job interviews;time management;public speaking;"
-    "writing a resume;saving money;cooking rice;baking cookies;composting;bees and pollination;"
-    "wind turbines;nuclear energy;batteries;electric circuits;the speed of light;sound waves;"
-    "the human skeleton;vitamins;drinking water;handwashing;first aid;fire safety;kindness;gratitude"
-).split(";")
+DATA = Path(__file__).resolve().parent / "data"
 
 
-# --------------------------------------------------------------------------- sources
+def data_lines(name: str) -> list[str]:
+    """One instruction template or topic a line of ``training/data/<name>.txt``, in file order
+    (the order is part of the data: :func:`chat_prompts` shuffles it with fixed seeds)."""
+    return (DATA / f"{name}.txt").read_text(encoding="utf-8").splitlines()
 
 
-CODE_TASKS = [
-    "Write a Python function that {c}.",
-    "Write a Python function that {c}, with a docstring and one example.",
-    "Explain, step by step, how you would write a program that {c}.",
-    "Write a JavaScript function that {c}.",
-    "Write a Python function that {c}, and explain its time complexity.",
-]
-CODE = (
-    "reverses a list;counts the vowels in a string;returns the largest of three numbers;merges two sorted lists;"
-    "removes duplicates from a list while keeping the order;checks whether a number is even;converts Celsius to "
-    "Fahrenheit;computes the factorial of n;finds the second largest number in a list;capitalizes every word in a "
-    "sentence;counts how often each word appears in a text;checks whether two strings are anagrams;flattens a list "
-    "of lists;returns the greatest common divisor of two numbers;sorts a list of dictionaries by a key;reads a text "
-    "file and returns its number of lines;validates a simple email address;converts a binary string to an integer;"
-    "computes the average of a list of numbers;returns the first n prime numbers;checks whether a year is a leap "
-    "year;finds the longest word in a sentence;rotates a list by k positions;sums the digits of a number;returns "
-    "the intersection of two lists;implements binary search;transposes a matrix;generates all subsets of a set;"
-    "checks whether brackets in a string are balanced;converts a Roman numeral to an integer;computes the median "
-    "of a list;groups words by their first letter;chunks a list into pieces of size n;returns the n-th triangular "
-    "number;removes all whitespace from a string;checks whether a list is sorted;computes compound interest;"
-    "counts the words in a sentence;returns the minimum and maximum of a list;implements bubble sort"
-).split(";")
-MATH_TASKS = [
-    "What is {a} plus {b}? Show your working.",
-    "What is {a} times {c}? Explain each step.",
-    "What is {a} minus {b}?",
-    "Divide {a} by {c} and give the answer to two decimal places.",
-    "What is {c} percent of {a}?",
-    "Solve for y: {c}y - {b} = {a}.",
-    "A car drives {a} km at {c} km per hour. How long does the trip take?",
-    "A book costs ${c} and a pen costs ${d}. How much do {d} books and {c} pens cost together?",
-    "Is {a} divisible by {d}? Explain.",
-    "What is the average of {b}, {c} and {a}?",
-    "A rectangle is {c} cm long and {d} cm wide. What are its area and perimeter?",
-    "Round {a}.{d}{c} to the nearest whole number and explain why.",
-]
-REASONING_TASKS = [
-    "Explain the difference between {t} and {u}.",
-    "Which is older, {t} or {u}? Explain your reasoning.",
-    "Give one argument for and one against {t}.",
-    "Plan a one-day schedule for someone interested in {t}.",
-    "What would happen if {t} disappeared tomorrow? Think it through step by step.",
-    "Write a short, polite message to a neighbour about {t}.",
-]
+# Templates ({t}, {u}: a topic; {c}: a coding subject; {a}..{d}: numbers) and what fills them.
+TASKS = data_lines("chat_tasks")
+TOPICS = data_lines("topics")
+CODE_TASKS = data_lines("code_tasks")
+CODE = data_lines("code_subjects")
+MATH_TASKS = data_lines("math_tasks")
+REASONING_TASKS = data_lines("reasoning_tasks")
 # A later producer run's instructions (appended, so the first runs' saved positions stay valid).
-MORE_TASKS = [
-    "Write a short blog post introduction about {t}.",
-    "Explain {t} in simple words for a beginner.",
-    "Give me a fun fact about {t} and explain why it is true.",
-    "Write a riddle whose answer is {t}, then give the answer.",
-    "What should a tourist know about {t}?",
-    "Describe a typical day for someone who works with {t}.",
-    "Write a motivational quote inspired by {t} and explain it.",
-    "Write a product description for a children's book about {t}.",
-    "What are three questions scientists still ask about {t}?",
-    "Create a short quiz with three questions about {t}, with answers.",
-    "Explain how {t} affects everyday life.",
-    "Write a four-line rhyming poem about {t}.",
-    "Give a one-sentence definition of {t}, then an example.",
-    "Write a news headline and a short news paragraph about {t}.",
-    "What would a scientist and an artist each find interesting about {t}?",
-    "Tell me a short, funny story about {t}.",
-    "What are the main parts of {t}? Describe each briefly.",
-    "How has {t} changed over the last hundred years?",
-    "Write a short speech for a school assembly about {t}.",
-    "Give five words that come to mind when you think of {t}, and explain each.",
-    "Write a diary entry from someone who just discovered {t}.",
-    "Explain {t} using an analogy.",
-    "Write a short advertisement for a museum exhibition about {t}.",
-    "What are the dangers or risks related to {t}?",
-    "Write a thank-you note to {t}.",
-    "Describe {t} from the point of view of a curious child.",
-    "Summarize what you know about {t} in a bulleted list.",
-    "Write a short mystery story that involves {t}.",
-    "Give me a simple activity for kids to learn about {t}.",
-    "What jobs are connected to {t}? Name three and describe them.",
-]
-MORE_TOPICS = (
-    "the northern lights;rain forests in Asia;the Moon's phases;hot air balloons;the Industrial Revolution;"
-    "pandas;kangaroos;dolphins;the Arctic;Antarctica;islands;lakes;waterfalls;caves;deserts at night;"
-    "the Silk Road;the Vikings;ancient Greece;the Maya;knights;samurai;pirates;explorers;the compass;"
-    "the telephone;radio;television;cameras;clocks;calendars;the wheel;paper;glass;steel;cotton;wool;"
-    "rice farming;apple trees;bananas;potatoes;spices;cheese;ice cream;soup;sandwiches;street food;"
-    "birthdays;weddings;holidays around the world;museums;zoos;theaters;cinema;painting;sculpture;"
-    "photography;dance;singing;the guitar;drums;orchestras;poetry;novels;fairy tales;comic books;"
-    "mathematics;fractions;geometry;statistics;probability;algebra;computers;the cloud;cybersecurity;"
-    "artificial intelligence;spreadsheets;programming for kids;open source software;3D printing;drones;"
-    "satellites;the International Space Station;astronauts;meteor showers;the Milky Way;exoplanets;"
-    "recycling paper;saving water;electric bikes;carpooling;walking to school;healthy lunches;"
-    "exercise;stretching;good posture;reading habits;note taking;studying for exams;homework;teamwork;"
-    "leadership;patience;curiosity;honesty;courage;making friends;moving to a new city;pets"
-).split(";")
+MORE_TASKS = data_lines("more_tasks")
+MORE_TOPICS = data_lines("more_topics")
 
 
 def chat_prompts(exclude: set[str]) -> list[str]:
@@ -571,7 +450,7 @@ def export(work: Path, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m mtad.train_chat_draft", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m training.chat_draft", description=__doc__.splitlines()[0])
     ap.add_argument("--stage", choices=("data", "train", "export", "eval"), required=True)
     ap.add_argument("--work", type=Path, default=WORK)
     ap.add_argument("--out", type=Path, default=OUT)
