@@ -4,13 +4,12 @@ A decoding forward multiplies a few rows of activations by every weight matrix, 
 streams the weights fastest for 1 row (AR, SD's drafts) and for γ + 1 rows (a verification) sets the
 speed. Which one that is depends on the CPU and the dtype, and no flag predicts it well:
 
-- ``mkl``: PyTorch's own ``F.linear``. On AVX2-only CPUs in fp32 a 5-row product costs about twice a
-  1-row one (MKL's small-row sgemm), so verification costs 1.9x a one-token forward.
-- ``stationary``: the weight-first bf16 product (:mod:`mtad.cpu_linear`), fastest on AMX Xeons; on a
-  CPU without native bf16 it is 4x slower than ``mkl``.
+- ``mkl``: PyTorch's own ``F.linear``. On AVX2-only CPUs in fp32 its small-row sgemm makes a
+  5-row product cost far more than a 1-row one, so a verification costs much more than a token.
+- ``stationary``: the weight-first bf16 product (:mod:`mtad.cpu_linear`), fast on AMX Xeons; on a
+  CPU without native bf16 it is slower than ``mkl``.
 - ``onednn``: weights prepacked once for oneDNN (``torch.ops.mkldnn._reorder_linear_weight``) and
-  multiplied by ``_linear_pointwise``; fp32 and bf16. It takes the 5-row lm_head of SmolLM2 on an
-  AVX2 EPYC from 23 to 11 ms.
+  multiplied by ``_linear_pointwise``; fp32 and bf16.
 
 At load, :func:`choose` times every candidate on the model's own weight shapes for 1 and 5 rows,
 interleaved, and keeps the fastest total (under a second for SmolLM2-135M); ``MTAD_CPU_LINEAR`` names one instead.
