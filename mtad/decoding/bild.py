@@ -86,7 +86,7 @@ SPEC = MethodSpec(
     colour="#7c3aed",
     params=(PARAMS["gamma"].own(default=10), PARAMS["tau1"], PARAMS["tau2"]),  # γ 10: Table 13 of the MTAD paper
     step=bild_step,
-    panel="bild",
+    panel="rollback",
     rule="BiLD keeps draft tokens until the first whose negative log-likelihood under the target exceeds τ2, "
     "then the target writes that position (not exact: kept tokens are the draft's)",
 )

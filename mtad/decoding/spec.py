@@ -8,7 +8,7 @@ with :func:`register`, and ``Settings``, the CLI, the bench, the audit and the p
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 from mtad.events import Step
@@ -17,9 +17,9 @@ from mtad.settings import PARAMS, Param, Settings
 Decoder = Callable[..., Iterator[Step]]
 """The one decoder signature: (pair, prompt ids, validated settings) -> Steps until the budget or EOS."""
 
-PANELS = ("none", "target-beams", "sd", "mtad", "bild", "kseq", "mss")
+PANELS = ("none", "target-beams", "sd", "mtad", "rollback", "kseq", "mss")
 """The page's verification panels: nothing drafted (AR), the target's own beams (MTJD), per-token ratio
-against a uniform (SD), MTAD's joint prefix rule, BiLD's NLL against τ2, and the multi-draft walks
+against a uniform (SD), MTAD's joint prefix rule, BiLD's rollback (each NLL against τ2), and the multi-draft walks
 (Spectr's K-SEQ, SpecInfer's MSS)."""
 
 
@@ -60,6 +60,12 @@ class MethodSpec:
         unknown = [p.field for p in self.params if p.field not in PARAMS]
         if unknown:
             raise ValueError(f"method {self.name!r}: {unknown[0]!r} is not a setting (mtad.settings.PARAMS)")
+        shared = Settings()
+        for p in self.params:  # Settings.for_method(name) must validate
+            try:
+                p.check(getattr(shared, p.field) if p.default is None else p.default)
+            except ValueError as exc:
+                raise ValueError(f"method {self.name!r}, its default: {exc}") from None
 
     @property
     def uses(self) -> tuple[str, ...]:
@@ -137,3 +143,20 @@ def spec_of(method: str) -> MethodSpec:
 def racers() -> tuple[str, ...]:
     """The methods the page offers as lanes."""
     return tuple(n for n, s in registry().items() if s.racer)
+
+
+class SpecField(Mapping[str, object]):
+    """One spec field of every registered method, by name (``LABELS``, ``COLOURS``...), read from the
+    registry at each look-up so that a method registered later is in it too."""
+
+    def __init__(self, field: str) -> None:
+        self.field = field
+
+    def __getitem__(self, method: str) -> object:
+        return getattr(registry()[method], self.field)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(registry())
+
+    def __len__(self) -> int:
+        return len(registry())
