@@ -129,6 +129,8 @@ def test_a_name_is_registered_once(toy: MethodSpec) -> None:
         MethodSpec(
             name="bad", label="x", short="x", colour="#0", step=toy.step, params=(toy.params[0].own(default=None),)
         )
+    with pytest.raises(ValueError, match="wider than the engine's"):
+        MethodSpec(name="bad", label="x", short="x", colour="#0", step=toy.step, params=(PARAMS["gamma"].own(hi=99),))
     with pytest.raises(ValueError, match="not a setting"):
         MethodSpec(name="bad", label="x", short="x", colour="#0", step=toy.step, params=(PARAMS["tau"].own(field="x"),))
 

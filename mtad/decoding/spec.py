@@ -60,6 +60,9 @@ class MethodSpec:
         unknown = [p.field for p in self.params if p.field not in PARAMS]
         if unknown:
             raise ValueError(f"method {self.name!r}: {unknown[0]!r} is not a setting (mtad.settings.PARAMS)")
+        wider = [p.field for p in self.params if p.lo < PARAMS[p.field].lo or p.hi > PARAMS[p.field].hi]
+        if wider:
+            raise ValueError(f"method {self.name!r}: its range for {wider[0]!r} is wider than the engine's")
         shared = Settings()
         for p in self.params:  # Settings.for_method(name) must validate
             try:
