@@ -100,7 +100,7 @@ class Settings:
 
     def validate(self) -> Settings:
         """Raise ``ValueError`` naming the allowed range for the first bad field."""
-        from mtad.decoding.spec import method_names, spec_of
+        from mtad.decoding.spec import method_names, spec_of  # at call time: the decoders import this module
 
         if self.method not in method_names():
             raise ValueError(f"method must be one of {', '.join(method_names())}; got {self.method!r}")
