@@ -12,24 +12,18 @@ from pathlib import Path
 
 import gradio as gr
 
+from mtad.settings import PARAMS
 from mtad.ui import availability
 from mtad.ui import handlers as h
 from mtad.ui import race as race_view
 from mtad.ui.explain import EXPLAIN, INTRO
 from mtad.ui.inputs import (
-    BEAMS_RANGE,
     DEFAULTS,
-    DRAFTS_RANGE,
-    GAMMA_RANGE,
     MAX_NEW_RANGE,
     SEED_RANGE,
-    TAU1_RANGE,
-    TAU2_RANGE,
-    TAU_RANGE,
     TEMPERATURE_RANGE,
     TOP_K_RANGE,
 )
-from mtad.ui.record import LABELS
 from mtad.ui.tokens import legend_html
 from mtad.ui.waiting import LINE
 
@@ -72,7 +66,7 @@ def build() -> gr.Blocks:
                     replay_btn = gr.Button("Replay", elem_id="replay-btn")
                 message = gr.HTML(h.message_html(), label="message", elem_id="message")
                 with gr.Row():
-                    racers = [(LABELS[m], m) for m in h.RACERS]
+                    racers = h.racer_choices()
                     first, second = h.DEFAULT_RACE
                     left = gr.Dropdown(racers, value=first, label="Left lane", elem_id="left-method")
                     right = gr.Dropdown(racers, value=second, label="Right lane", elem_id="right-method")
@@ -83,16 +77,16 @@ def build() -> gr.Blocks:
                 )
             with gr.Column(scale=2):
                 with gr.Row():
-                    tau = number(DEFAULTS.tau, "τ (MTAD threshold)", TAU_RANGE, "tau")
-                    beams = number(DEFAULTS.beams, "beams W", BEAMS_RANGE, "beams")
+                    tau = setting("tau", "tau")
+                    beams = setting("beams", "beams")
                 with gr.Row():
-                    gamma = number(DEFAULTS.gamma, "draft length γ", GAMMA_RANGE, "gamma")
+                    gamma = setting("gamma", "gamma")
                     max_new = number(DEFAULTS.max_new_tokens, "max new tokens", MAX_NEW_RANGE, "max-new")
                 with gr.Accordion("Other decoders (Spectr, SpecInfer, BiLD)", open=False):
-                    num_drafts = number(DEFAULTS.num_drafts, "drafts m", DRAFTS_RANGE, "num-drafts")
+                    num_drafts = setting("num_drafts", "num-drafts")
                     with gr.Row():
-                        tau1 = number(DEFAULTS.tau1, "τ1 (BiLD fallback)", TAU1_RANGE, "tau1")
-                        tau2 = number(DEFAULTS.tau2, "τ2 (BiLD rollback, nats)", TAU2_RANGE, "tau2")
+                        tau1 = setting("tau1", "tau1")
+                        tau2 = setting("tau2", "tau2")
                 with gr.Accordion("Sampling", open=False):
                     greedy = gr.Checkbox(DEFAULTS.greedy, label="greedy (argmax everywhere)", elem_id="greedy")
                     with gr.Row():
@@ -190,6 +184,12 @@ def number(value: float, label: str, bounds: tuple[float, float], elem_id: str) 
     return gr.Number(
         value, label=label, info=f"{lo:g} to {hi:g}" if isinstance(lo, float) else f"{lo} to {hi}", elem_id=elem_id
     )
+
+
+def setting(field: str, elem_id: str) -> gr.Number:
+    """A method setting's box: its label and the page's range for it from ``mtad.settings.PARAMS``."""
+    p = PARAMS[field]
+    return number(getattr(DEFAULTS, field), p.page_name, p.widget_range, elem_id)
 
 
 demo = build()

@@ -129,12 +129,12 @@ def audit_bench(bench: dict, pair: ModelPair, prompt_ids: list[list[int]]) -> di
 
 def verdict(method: str, greedy: bool, cal: Calibration) -> str:
     """What the figures say: consistent with the target's law, or how the method departs from it."""
-    from mtad.decoding import DECODERS
+    from mtad.decoding.spec import spec_of
 
     if greedy:
         return "all target argmax" if cal.top1_hits == cal.tokens else f"{cal.tokens - cal.top1_hits:.0f} not argmax"
     far = abs(cal.z) > Z_LIMIT or abs(cal.top1_z) > Z_LIMIT
-    if DECODERS[method].exact:
+    if spec_of(method).exact:
         return "DEVIATES from the target's law" if far else "consistent with the target's law"
     if not far:
         return "no shift detected"

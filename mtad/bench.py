@@ -16,10 +16,11 @@ from mtad.bench_report import environment, git_commit, render_table, write_outpu
 from mtad.bench_run import Case, build_cases, run_bench
 from mtad.cli import add_pair_args, add_sampling_args, load_pair_from_args, sampling_settings
 from mtad.decoding import encode_prompt
+from mtad.decoding.spec import method_names, registry
 from mtad.energy import EnergyMeter
 from mtad.pair import default_pair_name, presets
 from mtad.prompts import Prompt, read_prompts
-from mtad.settings import METHODS, Settings, uses_draft
+from mtad.settings import Settings, uses_draft
 
 
 def parser() -> argparse.ArgumentParser:
@@ -36,11 +37,12 @@ def parser() -> argparse.ArgumentParser:
         "default: the --pair preset's prompt set",
     )
     ap.add_argument("--limit", type=int, help="use the first N prompts")
-    ap.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {', '.join(METHODS)}")
+    names = method_names()
+    ap.add_argument("--methods", default=",".join(names), help=f"comma list of {', '.join(names)}")
     add_sampling_args(ap)
     ap.add_argument(
         "--gamma",
-        help=f"draft length, or a comma list to sweep (default: each method's paper value, {d.gamma} or BiLD's 10)",
+        help=f"draft length, or a comma list to sweep (default: each method's paper value, {d.gamma}{own_gammas()})",
     )
     ap.add_argument("--beams", default=str(d.beams), help="MTAD beam count, or a comma list to sweep")
     ap.add_argument("--tau", default=str(d.tau), help="MTAD threshold, or a comma list to sweep (0,0.1,...,1)")
@@ -83,12 +85,18 @@ def parse_list(text: str, cast: Callable[[str], object], name: str) -> list:
     return out
 
 
+def own_gammas() -> str:
+    """The methods whose paper γ differs from the shared default, for --gamma's help: `` or BiLD's 10``."""
+    return "".join(f" or {s.short}'s {s.defaults['gamma']}" for s in registry().values() if "gamma" in s.defaults)
+
+
 def parse_methods(text: str) -> list[str]:
-    """The --methods list, each one of METHODS."""
+    """The --methods list, each one a registered method (``mtad.decoding.spec``)."""
     methods = parse_list(text, str, "methods")
-    bad = [m for m in methods if m not in METHODS]
+    names = method_names()
+    bad = [m for m in methods if m not in names]
     if bad:
-        raise ValueError(f"unknown method {bad[0]!r}; --methods takes a comma list of {', '.join(METHODS)}")
+        raise ValueError(f"unknown method {bad[0]!r}; --methods takes a comma list of {', '.join(names)}")
     return methods
 
 
@@ -191,7 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         env = environment(pair, argv, meter.reason, meter.source, commit)
         env["prompt_format"] = "chat template, one user turn" if pair.chat and not args.raw else "raw text"
         config = {
-            "methods": sorted({c.method for c in cases}, key=METHODS.index),
+            "methods": sorted({c.method for c in cases}, key=method_names().index),
             "cases": [{"case": c.label, **c.settings.to_dict()} for c in cases],
             "seeds": seeds,
             "repeats": args.repeats,

@@ -12,6 +12,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from mtad.bench_run import SWEPT
+from mtad.decoding.mtjd import SPEC as MTJD
 
 SWEEPS = {
     "tau": ("tau_sweep", "acceptance threshold τ"),
@@ -105,7 +106,7 @@ def figure1_series(aggregates: Sequence[dict]) -> dict[str, list[dict]]:
     """MTJD rows grouped by beam width and search (one line each), sorted by K; only groups with 2+ K's."""
     groups: dict[str, list[dict]] = {}
     for r in aggregates:
-        if r["method"] == "mtjd" and r.get("gamma") is not None and not r.get("error"):
+        if r["method"] == MTJD.name and r.get("gamma") is not None and not r.get("error"):
             groups.setdefault(f"W={r['beams']:g} {r['draft_mode']}", []).append(r)
     return {k: sorted(v, key=lambda r: r["gamma"]) for k, v in groups.items() if len({r["gamma"] for r in v}) > 1}
 

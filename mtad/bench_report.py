@@ -18,6 +18,7 @@ import transformers
 
 from mtad.bench_plots import ar_row, figure1_series, save_sweep_figures
 from mtad.bench_run import BenchResult
+from mtad.decoding.spec import registry, spec_of
 from mtad.events import json_safe
 from mtad.pair import ModelPair
 
@@ -90,8 +91,10 @@ def render_table(aggregates: Sequence[dict], energy_note: str | None = None) -> 
     out = [text_table(header, [[cell(r) for _, cell in TABLE_COLUMNS] for r in aggregates], LEFT)]
     common = aggregates[0]["common_prompts"] if aggregates else 0
     out.append(LEGEND.format(common=common))
-    if any(r["method"] == "mtjd" for r in aggregates):
-        out.append("mtjd: γ is its block length K and W its beam width over the target; it drafts nothing.")
+    for method in dict.fromkeys(r["method"] for r in aggregates):  # where a method's columns read differently
+        remark = spec_of(method).remark if method in registry() else ""
+        if remark:
+            out.append(f"{method}: {remark}")
     curves = [(r["case"], r.get("acceptance_by_position") or []) for r in aggregates]
     if any(c for _, c in curves):
         out.append("acceptance by draft position (token i kept, given tokens 1..i-1 were):")

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from mtad.decoding import DECODERS, decode
+from mtad.decoding import decode
+from mtad.decoding.spec import spec_of
 from mtad.energy import EnergyMeter, EnergyReading
 from mtad.events import Step
 from mtad.metrics import position_counts, summarize
@@ -27,7 +28,7 @@ from mtad.prompts import Prompt
 from mtad.settings import Settings
 
 PARAMS = ("gamma", "beams", "tau", "draft_mode")
-"""The settings a method may depend on; each row shows the ones its decoder uses (``Method.uses``)."""
+"""The settings a method may depend on; each row shows the ones its spec uses (``MethodSpec.uses``)."""
 SWEPT = ("gamma", "beams", "tau")
 """The settings the bench can sweep (comma lists on the command line)."""
 
@@ -45,16 +46,16 @@ class Case:
     @property
     def params(self) -> dict[str, object]:
         """gamma/beams/tau/draft_mode, None where the method does not use them."""
-        uses = DECODERS[self.method].uses
+        uses = spec_of(self.method).uses
         return {k: getattr(self.settings, k) if k in uses else None for k in PARAMS}
 
     @property
     def label(self) -> str:
-        """E.g. ``mtad γ=4 W=8 τ=0.1`` (``beam-sample`` appended when the draft is sampled); MTJD's γ is its
-        block length, ``mtjd K=4 W=8``."""
-        names = {"gamma": "K" if self.method == "mtjd" else "γ", "beams": "W", "tau": "τ"}
-        uses = DECODERS[self.method].uses
-        parts = [f"{names[k]}={getattr(self.settings, k):g}" for k in SWEPT if k in uses]
+        """E.g. ``mtad γ=4 W=8 τ=0.1`` (``beam-sample`` appended when the draft is sampled); each setting by
+        its symbol in the method's spec (MTJD's γ is its block length, ``mtjd K=4 W=8``)."""
+        own = spec_of(self.method).param_map
+        uses = own.keys()
+        parts = [f"{own[k].symbol}={getattr(self.settings, k):g}" for k in SWEPT if k in uses]
         if "draft_mode" in uses and self.settings.draft_mode != Settings().draft_mode:
             parts.append(self.settings.draft_mode)
         return " ".join([self.method, *parts])
@@ -74,7 +75,7 @@ def build_cases(
         own = [Settings.for_method(method).gamma] if gammas is None else list(gammas)
         values = {"gamma": own, "beams": list(beams), "tau": list(taus)}
         first = {k: v[0] for k, v in values.items()}
-        swept = [k for k in SWEPT if k in DECODERS[method].uses]
+        swept = [k for k in SWEPT if k in spec_of(method).uses]
         for combo in itertools.product(*(values[k] for k in swept)):
             settings = base.with_(method=method, **{**first, **dict(zip(swept, combo, strict=True))}).validate()
             cases.append(Case(settings))

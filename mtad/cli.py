@@ -7,7 +7,8 @@ import json
 import os
 import sys
 
-from mtad.settings import DRAFT_MODES, METHODS, Settings
+from mtad.decoding.spec import method_names, registry
+from mtad.settings import DRAFT_MODES, PARAMS, Settings
 
 GREEN, YELLOW, RED, DIM, RESET = "\033[32m", "\033[33m", "\033[31m", "\033[2m", "\033[0m"
 
@@ -67,19 +68,36 @@ def parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="decode one prompt and show which drafts were accepted")
     add_pair_args(g)
     g.add_argument("--prompt", required=True)
-    g.add_argument("--method", choices=METHODS, default="mtad")
+    g.add_argument("--method", choices=method_names(), default="mtad")
     add_sampling_args(g)
     d = Settings()
-    g.add_argument("--gamma", type=int, help=f"draft length (1-32; default {d.gamma}, BiLD 10)")
-    g.add_argument("--beams", type=int, default=d.beams, help="MTAD beam count (1-64)")
-    g.add_argument("--tau", type=float, default=d.tau, help="MTAD threshold in [0, 1]")
-    g.add_argument("-m", "--num-drafts", type=int, default=d.num_drafts, help="Spectr/SpecInfer draft sequences (1-16)")
-    g.add_argument("--tau1", type=float, default=d.tau1, help="BiLD fallback threshold in [0, 1]")
-    g.add_argument("--tau2", type=float, default=d.tau2, help="BiLD rollback threshold (target NLL, nats, >= 0)")
+    own = "".join(f", {s.short} {s.defaults['gamma']}" for s in registry().values() if "gamma" in s.defaults)
+    g.add_argument("--gamma", type=int, help=f"draft length ({span('gamma')}; default {d.gamma}{own})")
+    g.add_argument("--beams", type=int, default=d.beams, help=f"MTAD beam count ({span('beams')})")
+    g.add_argument("--tau", type=float, default=d.tau, help=f"MTAD threshold in {span('tau')}")
+    g.add_argument(
+        "-m",
+        "--num-drafts",
+        type=int,
+        default=d.num_drafts,
+        help=f"Spectr/SpecInfer draft sequences ({span('num_drafts')})",
+    )
+    g.add_argument("--tau1", type=float, default=d.tau1, help=f"BiLD fallback threshold in {span('tau1')}")
+    g.add_argument(
+        "--tau2", type=float, default=d.tau2, help=f"BiLD rollback threshold (target NLL, nats, {span('tau2')})"
+    )
     g.add_argument("--seed", type=int, default=d.seed)
     g.add_argument("--json", action="store_true", help="print one JSON object instead of coloured text")
     g.add_argument("--raw", action="store_true", help="continue the prompt as plain text (no chat template)")
     return ap
+
+
+def span(field: str) -> str:
+    """A setting's engine range for a flag's help, from ``mtad.settings.PARAMS``: ``1-32``, ``[0, 1]``, ``>= 0``."""
+    p = PARAMS[field]
+    if p.kind is int:
+        return f"{p.lo}-{p.hi}"
+    return f">= {p.lo:g}" if p.hi == float("inf") else f"[{p.lo:g}, {p.hi:g}]"
 
 
 def sampling_settings(args: argparse.Namespace) -> Settings:

@@ -5,18 +5,68 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
-METHODS = ("ar", "sd", "mtad", "mtad-tree", "bild", "spectr", "specinfer", "hf-assisted", "mtjd")
-"""The registered decoders (``mtad.decoding.DECODERS``, which a test keeps equal to this)."""
-WITHOUT_DRAFT = ("ar", "mtjd")
-"""Methods that run the target alone: AR, and MTJD (multi-token joint decoding, which MTAD approximates)."""
-MULTI_DRAFT = ("spectr", "specinfer")
-"""Methods that draft ``num_drafts`` i.i.d. sequences and verify them all in one target forward."""
-METHOD_DEFAULTS: dict[str, dict[str, object]] = {"bild": {"gamma": 10}}
-"""Where a method's paper default (Table 13 of the MTAD paper) differs from the shared field default."""
 DRAFT_MODES = ("beam", "beam-sample")
-GAMMA_RANGE = (1, 32)
-BEAMS_RANGE = (1, 64)
-DRAFTS_RANGE = (1, 16)
+
+
+@dataclass(frozen=True)
+class Param:
+    """One decoding setting a method may use: the ``Settings`` field, the name its errors give, the range the
+    engine allows (``hi`` inf: no upper bound; ``choices`` for a string), its symbol in a lane's title and a
+    bench row, and the page's widget label and range (a span a visitor needs, never wider than the engine's).
+
+    A method's spec lists the ones it uses; :meth:`own` gives a method its own name, default or range."""
+
+    field: str
+    name: str
+    lo: float = 0
+    hi: float = math.inf
+    kind: type = int
+    symbol: str = ""
+    page_name: str = ""
+    page_range: tuple[float, float] | None = None
+    choices: tuple[str, ...] = ()
+    default: object = None
+    """This method's default where it differs from the ``Settings`` field's (BiLD drafts γ = 10)."""
+
+    def own(self, **changes: object) -> Param:
+        """The same setting as one method sees it (its own default, range, name or symbol)."""
+        return replace(self, **changes)
+
+    @property
+    def widget_range(self) -> tuple[float, float]:
+        """The page's range for this setting: its own cap where it has one, else the engine's."""
+        return self.page_range or (self.lo, self.hi)
+
+    def check(self, value: object) -> None:
+        """Raise ``ValueError`` naming the setting and what it allows when ``value`` is out of range."""
+        if self.choices:
+            if value not in self.choices:
+                raise ValueError(f"{self.name} must be one of {', '.join(self.choices)}; got {value!r}")
+        elif self.kind is int:
+            _int_in(self.name, value, int(self.lo), int(self.hi))
+        elif math.isinf(self.hi):
+            if not _finite(value) or value < self.lo:
+                raise ValueError(f"{self.name} must be a finite number >= {self.lo:g}; got {value}")
+        elif not _finite(value) or not self.lo <= value <= self.hi:
+            raise ValueError(f"{self.name} must be between {self.lo:g} and {self.hi:g} (inclusive); got {value}")
+
+
+PARAMS: dict[str, Param] = {
+    p.field: p
+    for p in (
+        Param("draft_mode", "draft mode", kind=str, choices=DRAFT_MODES),
+        Param("gamma", "gamma (draft length)", 1, 32, symbol="γ", page_name="draft length γ", page_range=(1, 12)),
+        Param("beams", "beams", 1, 64, symbol="W", page_name="beams W", page_range=(1, 16)),
+        Param("tau", "tau", 0.0, 1.0, float, "τ", "τ (MTAD threshold)"),
+        Param("num_drafts", "num drafts (m)", 1, 16, symbol="m", page_name="drafts m", page_range=(1, 8)),
+        Param("tau1", "tau1 (BiLD fallback threshold)", 0.0, 1.0, float, "τ1", "τ1 (BiLD fallback)"),
+        Param(
+            "tau2", "tau2 (BiLD rollback threshold, in nats)", 0.0, math.inf, float, "τ2", "τ2 (BiLD rollback, nats)"
+        ).own(page_range=(0.0, 10.0)),  # nats; the engine allows any value >= 0, the page a useful span
+    )
+}
+"""The one home of every method setting's range: ``Settings.validate``, the CLI's help, the page's widgets
+and each method's spec (``mtad.decoding.spec``) read them here."""
 
 
 @dataclass(frozen=True)
@@ -50,20 +100,13 @@ class Settings:
 
     def validate(self) -> Settings:
         """Raise ``ValueError`` naming the allowed range for the first bad field."""
-        if self.method not in METHODS:
-            raise ValueError(f"method must be one of {', '.join(METHODS)}; got {self.method!r}")
-        if self.draft_mode not in DRAFT_MODES:
-            raise ValueError(f"draft mode must be one of {', '.join(DRAFT_MODES)}; got {self.draft_mode!r}")
-        mtjd = self.method == "mtjd"
-        _int_in("K (MTJD block length, gamma)" if mtjd else "gamma (draft length)", self.gamma, *GAMMA_RANGE)
-        _int_in("beams (MTJD's beam width W over the target)" if mtjd else "beams", self.beams, *BEAMS_RANGE)
-        if not _finite(self.tau) or not 0.0 <= self.tau <= 1.0:
-            raise ValueError(f"tau must be between 0 and 1 (inclusive); got {self.tau}")
-        _int_in("num drafts (m)", self.num_drafts, *DRAFTS_RANGE)
-        if not _finite(self.tau1) or not 0.0 <= self.tau1 <= 1.0:
-            raise ValueError(f"tau1 (BiLD fallback threshold) must be between 0 and 1 (inclusive); got {self.tau1}")
-        if not _finite(self.tau2) or self.tau2 < 0:
-            raise ValueError(f"tau2 (BiLD rollback threshold, in nats) must be a finite number >= 0; got {self.tau2}")
+        from mtad.decoding.spec import method_names, spec_of  # at call time: the decoders import this module
+
+        if self.method not in method_names():
+            raise ValueError(f"method must be one of {', '.join(method_names())}; got {self.method!r}")
+        own = spec_of(self.method).param_map
+        for field, shared in PARAMS.items():  # the method's own range where it has one, else the shared one
+            own.get(field, shared).check(getattr(self, field))
         if not _finite(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top-p must be in (0, 1]; got {self.top_p}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
@@ -87,7 +130,9 @@ class Settings:
     @classmethod
     def for_method(cls, method: str, **fields: object) -> Settings:
         """Settings for ``method`` with its paper defaults (e.g. BiLD's gamma 10); ``fields`` override them."""
-        return cls(method=method, **{**METHOD_DEFAULTS.get(method, {}), **fields})
+        from mtad.decoding.spec import spec_of
+
+        return cls(method=method, **{**spec_of(method).defaults, **fields})
 
     def with_(self, **changes: object) -> Settings:
         """A copy with some fields changed (frozen dataclass helper)."""
@@ -99,7 +144,21 @@ class Settings:
 
 def uses_draft(method: str) -> bool:
     """Whether ``method`` runs the draft model (and so needs its context length and a draft cache)."""
-    return method not in WITHOUT_DRAFT
+    from mtad.decoding.spec import spec_of
+
+    return spec_of(method).drafts
+
+
+def __getattr__(name: str) -> tuple[str, ...]:
+    """``METHODS`` (every registered method) and ``WITHOUT_DRAFT`` (those that run the target alone), read
+    from the registry in ``mtad.decoding.spec`` when asked for, so that they can never disagree with it."""
+    if name not in ("METHODS", "WITHOUT_DRAFT"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from mtad.decoding.spec import registry
+
+    if name == "METHODS":
+        return tuple(registry())
+    return tuple(n for n, s in registry().items() if not s.drafts)
 
 
 def _finite(x: float) -> bool:

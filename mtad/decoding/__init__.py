@@ -1,73 +1,39 @@
 """Decoders: each turns (pair, prompt ids, settings) into a stream of ``Step`` events.
 
-``DECODERS`` is the one registry of methods: the CLI, the bench and the app all run a method through
-:func:`decode`, and adding a decoder is one entry here (``mtad.settings.METHODS`` must list the same names).
+Each decoder's module defines its ``SPEC`` (``mtad.decoding.spec.MethodSpec``: name, label, colour, the
+settings it uses with their ranges, exactness, panel); the ``register`` calls below are the one list of
+built-in methods. The CLI, the bench, the audit and the app all run a method through :func:`decode`;
+docs/extending.md says how to add one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 
-from mtad.decoding.autoregressive import ar_step
-from mtad.decoding.bild import bild_step
-from mtad.decoding.hf_assisted import assisted_decode
-from mtad.decoding.mtad import mtad_step
-from mtad.decoding.mtad_tree import mtad_tree_step
-from mtad.decoding.mtjd import mtjd_step
+from mtad.decoding import autoregressive, bild, hf_assisted, mtad, mtad_tree, mtjd, specinfer, spectr, speculative
 from mtad.decoding.rules import mtad_accept_length, mtad_passes
-from mtad.decoding.specinfer import specinfer_step
-from mtad.decoding.spectr import spectr_step
-from mtad.decoding.speculative import sd_step
-from mtad.decoding.state import DecodeState
+from mtad.decoding.spec import Decoder, MethodSpec, register, registry, spec_of
 from mtad.events import Run, Step
 from mtad.pair import ModelPair
 from mtad.settings import Settings, uses_draft
 
-Decoder = Callable[[ModelPair, list[int], Settings], Iterator[Step]]
-"""The one decoder signature: (pair, prompt ids, validated settings) -> Steps until the budget or EOS."""
+for _module in (autoregressive, speculative, mtad, mtad_tree, bild, spectr, specinfer, hf_assisted, mtjd):
+    register(_module.SPEC)
 
+DECODERS: dict[str, MethodSpec] = registry()
+"""Every registered method by name (the registry itself, so a method registered later is in it too)."""
 
-@dataclass(frozen=True)
-class Method:
-    """A registered decoder and the settings it depends on (the bench sweeps and reports only these);
-    ``step`` is the one-iteration function of a decoder built with :func:`stepwise`; ``exact``: its
-    tokens follow the target's (warped) law exactly, so ``python -m mtad.audit`` must find no shift."""
-
-    run: Decoder
-    uses: tuple[str, ...] = ()
-    step: Callable[[DecodeState], Step] | None = None
-    exact: bool = False
-
-
-def stepwise(step_fn: Callable[[DecodeState], Step], uses: tuple[str, ...] = (), exact: bool = False) -> Method:
-    """A decoder from a one-iteration function on the shared ``DecodeState`` (ar, sd, mtad ...)."""
-
-    def run(pair: ModelPair, prompt_ids: list[int], settings: Settings) -> Iterator[Step]:
-        st = DecodeState.start(pair, prompt_ids, settings)
-        while st.remaining > 0:
-            step = step_fn(st)
-            yield step
-            if step.eos:
-                return
-
-    return Method(run, uses, step_fn, exact)
-
-
-DECODERS: dict[str, Method] = {
-    "ar": stepwise(ar_step, exact=True),
-    "sd": stepwise(sd_step, ("gamma",), exact=True),
-    "mtad": stepwise(mtad_step, ("gamma", "beams", "tau", "draft_mode")),
-    "mtad-tree": stepwise(mtad_tree_step, ("gamma", "beams", "tau", "draft_mode")),
-    "bild": stepwise(bild_step, ("gamma", "tau1", "tau2")),
-    "spectr": stepwise(spectr_step, ("gamma", "num_drafts"), exact=True),
-    "specinfer": stepwise(specinfer_step, ("gamma", "num_drafts"), exact=True),
-    "hf-assisted": Method(assisted_decode, ("gamma",), exact=True),
-    # the reference MTAD approximates: K = gamma tokens a step by beam search (W = beams) over the target
-    "mtjd": stepwise(mtjd_step, ("gamma", "beams", "draft_mode")),
-}
-
-__all__ = ["DECODERS", "Method", "decode", "encode_prompt", "generate", "mtad_accept_length", "mtad_passes"]
+__all__ = [
+    "DECODERS",
+    "Decoder",
+    "MethodSpec",
+    "decode",
+    "encode_prompt",
+    "generate",
+    "mtad_accept_length",
+    "mtad_passes",
+    "register",
+]
 
 
 def check_fits(pair: ModelPair, n_prompt: int, settings: Settings) -> None:
@@ -98,7 +64,7 @@ def decode(pair: ModelPair, prompt_ids: list[int], settings: Settings) -> Iterat
     if not prompt_ids:
         raise ValueError("the prompt has no tokens")
     check_fits(pair, len(prompt_ids), settings)
-    return DECODERS[settings.method].run(pair, prompt_ids, settings)
+    return spec_of(settings.method).run(pair, prompt_ids, settings)
 
 
 def generate(pair: ModelPair, prompt: str, settings: Settings, raw: bool = False) -> Run:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from mtad.decoding.spec import MethodSpec
 from mtad.decoding.state import DecodeState, to_host
 from mtad.events import Step
 from mtad.sampling import pick
@@ -18,3 +19,17 @@ def ar_step(st: DecodeState) -> Step:
     tok_i, lp_f = to_host(tok, lp)
     step = Step(index=0, method="ar", from_target=[True], target_logprobs=[lp_f])
     return st.finish(t0, step, [tok_i], 0)
+
+
+SPEC = MethodSpec(
+    name="ar",
+    label="Autoregressive (baseline)",
+    short="AR",
+    colour="#6b7280",
+    step=ar_step,
+    exact=True,
+    drafts=False,
+    racer=False,  # the page's optional third lane, not a racer
+    panel="none",
+)
+"""The target alone, one token per forward: the baseline every speed-up is measured against."""

@@ -7,9 +7,11 @@ import math
 import torch
 
 from mtad.decoding.autoregressive import ar_step
+from mtad.decoding.spec import MethodSpec
 from mtad.decoding.state import DecodeState, to_host
 from mtad.events import Step
 from mtad.sampling import pick
+from mtad.settings import PARAMS
 
 
 def bild_rollback(token_nll: list[float], tau2: float) -> int:
@@ -75,3 +77,16 @@ def bild_step(st: DecodeState) -> Step:
         draft_top_q=[math.exp(t) for t in tops],
     )
     return st.finish(t0, step, kept_ids + [extra_i], n)
+
+
+SPEC = MethodSpec(
+    name="bild",
+    label="BiLD",
+    short="BiLD",
+    colour="#7c3aed",
+    params=(PARAMS["gamma"].own(default=10), PARAMS["tau1"], PARAMS["tau2"]),  # γ 10: Table 13 of the MTAD paper
+    step=bild_step,
+    panel="rollback",
+    rule="BiLD keeps draft tokens until the first whose negative log-likelihood under the target exceeds τ2, "
+    "then the target writes that position (not exact: kept tokens are the draft's)",
+)

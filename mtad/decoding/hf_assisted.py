@@ -14,10 +14,11 @@ import torch
 from transformers import GenerationConfig
 from transformers.utils import logging as hf_logging
 
+from mtad.decoding.spec import MethodSpec
 from mtad.decoding.state import PhaseTimer
 from mtad.events import Step
 from mtad.pair import ModelPair, logits_width
-from mtad.settings import Settings
+from mtad.settings import PARAMS, Settings
 
 
 @dataclass
@@ -287,3 +288,16 @@ def assisted_steps(pair: ModelPair, trace: AssistTrace) -> list[Step]:
         )
         pos += n
     return steps
+
+
+SPEC = MethodSpec(
+    name="hf-assisted",
+    label="Hugging Face assisted generation",
+    short="HF assisted",
+    colour="#475569",
+    params=(PARAMS["gamma"],),
+    decoder=assisted_decode,
+    exact=True,
+    racer=False,  # transformers' own loop: no per-iteration trace for the page
+    panel="sd",
+)

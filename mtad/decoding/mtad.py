@@ -5,9 +5,11 @@ from __future__ import annotations
 from mtad.decoding.autoregressive import ar_step
 from mtad.decoding.beams import beam_draft
 from mtad.decoding.rules import mtad_accept_length_t
+from mtad.decoding.spec import MethodSpec
 from mtad.decoding.state import DecodeState, kept_logprobs, to_host
 from mtad.events import Step
 from mtad.sampling import pick
+from mtad.settings import PARAMS
 
 
 def mtad_step(st: DecodeState) -> Step:
@@ -50,3 +52,14 @@ def mtad_step(st: DecodeState) -> Step:
         draft_calls=g,
     )
     return st.finish(t0, step, draft_ids[:eta_i] + [extra_i], eta_i)
+
+
+SPEC = MethodSpec(
+    name="mtad",
+    label="MTAD",
+    short="MTAD",
+    colour="#ea580c",
+    params=(PARAMS["beams"], PARAMS["gamma"], PARAMS["tau"], PARAMS["draft_mode"]),
+    step=mtad_step,
+    panel="mtad",
+)

@@ -10,9 +10,11 @@ from mtad.decoding.autoregressive import ar_step
 from mtad.decoding.beams import beam_draft
 from mtad.decoding.multidraft import kept_lengths, layout, tree_verified, verified
 from mtad.decoding.rules import mtad_accept_length_t
+from mtad.decoding.spec import MethodSpec
 from mtad.decoding.state import DecodeState, kept_logprobs, to_host
 from mtad.events import Step
 from mtad.sampling import pick
+from mtad.settings import PARAMS
 
 
 def mtad_tree_step(st: DecodeState) -> Step:
@@ -77,3 +79,14 @@ def mtad_tree_step(st: DecodeState) -> Step:
         draft_calls=g,
     )
     return st.finish(t0, step, draft_ids[:eta_i] + [extra_i], eta_i)
+
+
+SPEC = MethodSpec(
+    name="mtad-tree",
+    label="MTAD, all beams verified",
+    short="MTAD tree",
+    colour="#b45309",
+    params=(PARAMS["beams"], PARAMS["gamma"], PARAMS["tau"], PARAMS["draft_mode"]),
+    step=mtad_tree_step,
+    panel="mtad",
+)

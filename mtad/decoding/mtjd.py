@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from mtad.decoding.autoregressive import ar_step
 from mtad.decoding.beams import Beams, beam_search
+from mtad.decoding.spec import MethodSpec
 from mtad.decoding.state import DecodeState, to_host
 from mtad.events import Step
+from mtad.settings import PARAMS
 
 
 def block_length(st: DecodeState) -> int:
@@ -62,3 +64,21 @@ def mtjd_step(st: DecodeState) -> Step:
     )
     # the target's cache holds the best beam's first k - 1 tokens: all kept, as AR keeps all but the newest
     return st.finish(t0, step, block, k - 1)
+
+
+SPEC = MethodSpec(
+    name="mtjd",
+    label="MTJD (reference, slow)",
+    short="MTJD",
+    colour="#4d7c0f",
+    params=(
+        PARAMS["gamma"].own(name="K (MTJD block length, gamma)", symbol="K"),
+        PARAMS["beams"].own(name="beams (MTJD's beam width W over the target)"),
+        PARAMS["draft_mode"].own(symbol=""),
+    ),
+    step=mtjd_step,
+    drafts=False,
+    panel="target-beams",
+    remark="γ is its block length K and W its beam width over the target; it drafts nothing.",
+)
+"""The reference MTAD approximates: K = gamma tokens a step by beam search (W = beams) over the target."""

@@ -6,8 +6,10 @@ from __future__ import annotations
 import torch
 
 from mtad.decoding.multidraft import Trial, multi_step, residual_top
+from mtad.decoding.spec import MethodSpec
 from mtad.decoding.state import DecodeState
 from mtad.events import Step
+from mtad.settings import PARAMS
 
 
 def mss_residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -41,3 +43,17 @@ def mss(
 def specinfer_step(st: DecodeState) -> Step:
     """One SpecInfer iteration: ``num_drafts`` i.i.d. drafts of gamma tokens, MSS down their token tree."""
     return multi_step(st, mss)
+
+
+SPEC = MethodSpec(
+    name="specinfer",
+    label="SpecInfer",
+    short="SpecInfer",
+    colour="#db2777",
+    params=(PARAMS["num_drafts"], PARAMS["gamma"]),
+    step=specinfer_step,
+    exact=True,
+    panel="mss",
+    rule="SpecInfer's MSS walks the token tree: children are tried in turn against p, then against "
+    "norm(max(0, p − q)) after each rejection; the last residual gives the token when all fail (exact)",
+)

@@ -7,8 +7,10 @@ import math
 import torch
 
 from mtad.decoding.multidraft import Trial, multi_step, residual_top
+from mtad.decoding.spec import MethodSpec
 from mtad.decoding.state import DecodeState
 from mtad.events import Step
+from mtad.settings import PARAMS
 
 
 def kseq_rho(p: torch.Tensor, q: torch.Tensor, k: int, iters: int = 40) -> float:
@@ -70,3 +72,18 @@ def kseq(
 def spectr_step(st: DecodeState) -> Step:
     """One Spectr iteration: ``num_drafts`` i.i.d. drafts of gamma tokens, K-SEQ along the tree they span."""
     return multi_step(st, kseq)
+
+
+SPEC = MethodSpec(
+    name="spectr",
+    label="Spectr",
+    short="Spectr",
+    colour="#0d9488",
+    params=(PARAMS["num_drafts"], PARAMS["gamma"]),
+    step=spectr_step,
+    exact=True,
+    panel="kseq",
+    rule="Spectr's K-SEQ tries the candidates' tokens in turn at each position (accept x with "
+    "min(1, p/(ρq))), follows the candidates carrying the accepted token, and resamples from its residual "
+    "when none passes (exact)",
+)

@@ -6,9 +6,11 @@ import torch
 
 from mtad.decoding.autoregressive import ar_step
 from mtad.decoding.rules import sd_accept_length_t
+from mtad.decoding.spec import MethodSpec
 from mtad.decoding.state import DecodeState, kept_logprobs, to_host
 from mtad.events import Step
 from mtad.sampling import probs, sample
+from mtad.settings import PARAMS
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -72,3 +74,15 @@ def sd_step(st: DecodeState) -> Step:
         draft_calls=g,
     )
     return st.finish(t0, step, draft_ids[:n_i] + [extra_i], n_i)
+
+
+SPEC = MethodSpec(
+    name="sd",
+    label="Speculative decoding",
+    short="SD",
+    colour="#2563eb",
+    params=(PARAMS["gamma"],),
+    step=sd_step,
+    exact=True,
+    panel="sd",
+)

@@ -5,11 +5,13 @@ from __future__ import annotations
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from mtad.decoding.spec import SpecField
 from mtad.energy import trapezoid_joules
+from mtad.settings import uses_draft
 from mtad.ui.record import LaneRecord
 
-COLOURS = {"sd": "#2563eb", "mtad": "#ea580c", "ar": "#6b7280", "mtad-tree": "#b45309"}
-COLOURS |= {"bild": "#7c3aed", "spectr": "#0d9488", "specinfer": "#db2777", "mtjd": "#4d7c0f"}
+COLOURS = SpecField("colour")
+"""Each method's colour in every figure and the race, from its spec (``mtad.decoding.spec``)."""
 GRID = "rgba(128,128,128,0.25)"
 
 
@@ -53,7 +55,7 @@ def accepted_per_iteration(lanes: list[LaneRecord]) -> go.Figure:
     """Draft tokens the target accepted at each iteration (AR and MTJD draft nothing, so they are left out)."""
     fig = go.Figure()
     for lane in lanes:
-        if not lane.steps or lane.method in ("ar", "mtjd"):
+        if not lane.steps or not uses_draft(lane.method):
             continue
         fig.add_trace(
             go.Bar(

@@ -18,6 +18,7 @@ import torch
 import transformers
 
 from mtad.decoding import encode_prompt
+from mtad.decoding.spec import racers, spec_of
 from mtad.pair import PairError, configure_cpu_threads, default_pair_name, presets, resolve_device
 from mtad.settings import Settings
 from mtad.ui import availability, cards, figures, race, tokens, verify
@@ -27,8 +28,6 @@ from mtad.ui.runner import CANCELS, OOM_MESSAGE, PAIRS, free_device_memory, run_
 from mtad.ui.waiting import LINE, full_text, place_text
 
 log = logging.getLogger(__name__)
-RACERS = ("sd", "mtad", "mtad-tree", "bild", "spectr", "specinfer", "mtjd")
-"""The decoders a visitor may race against each other (the AR lane is the optional third)."""
 PLOT_EVERY = 2.0  # seconds between plot refreshes in Replay (a live run redraws them when a lane ends)
 LIVE_EVERY = 0.3  # seconds between live lane refreshes (a long run must not drown the browser)
 LIVE_TAIL = 60  # iterations a live lane draws; the whole lane is drawn once it ends
@@ -169,19 +168,21 @@ def millions(n: int) -> str:
 
 
 def lane_note(method: str, settings: dict) -> str:
-    """The settings that matter for a lane, for its title bar."""
-    if method == "ar":
-        return ""
-    g = f"γ = {settings.get('gamma')}"
-    if method == "sd":
-        return g
-    if method in ("spectr", "specinfer"):
-        return f"m = {settings.get('num_drafts')}, {g}"
-    if method == "bild":
-        return f"{g}, τ1 = {settings.get('tau1'):g}, τ2 = {settings.get('tau2'):g}"
-    if method == "mtjd":  # γ is its block length K, beam-searched over the target
-        return f"K = {settings.get('gamma')}, W = {settings.get('beams')}"
-    return f"W = {settings.get('beams')}, {g}, τ = {settings.get('tau'):g}"
+    """The settings that matter for a lane, for its title bar: the ones its spec uses, by their symbols."""
+    return spec_of(method).note(settings)
+
+
+def racer_choices() -> list[tuple[str, str]]:
+    """The lane dropdowns' (label, method) choices: every registered method its spec offers as a racer."""
+    return [(LABELS[m], m) for m in racers()]
+
+
+def __getattr__(name: str) -> tuple[str, ...]:
+    """``RACERS``: the decoders a visitor may race against each other (the AR lane is the optional third),
+    read from the registry when asked for."""
+    if name == "RACERS":
+        return racers()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ---------------------------------------------------------------- messages and the waiting line
@@ -416,8 +417,11 @@ def check_run(
     if reason:
         raise ValueError(f"model pair {pair_name!r} cannot run on this server: it {reason}; pick another pair")
     as_bool("AR baseline lane", with_ar)
-    racers = pick_racers(left, right)
-    return parse_settings(**values), racers
+    chosen = pick_racers(left, right)
+    settings = parse_settings(**values)
+    for method in chosen:  # a method's own range (its spec) may be narrower than the page's
+        settings.with_(method=method).validate()
+    return settings, chosen
 
 
 class Refused(Exception):
@@ -546,8 +550,8 @@ def run_tail(record: RunRecord) -> str:
 def pick_racers(left: object, right: object) -> list[str]:
     """The two decoders to race, checked: known, and not the same one twice."""
     for side, m in (("left", left), ("right", right)):
-        if m not in RACERS:
-            raise ValueError(f"the {side} lane must be one of {', '.join(RACERS)}; got {m!r}")
+        if m not in racers():
+            raise ValueError(f"the {side} lane must be one of {', '.join(racers())}; got {m!r}")
     if left == right:
         raise ValueError(f"both lanes are {LABELS[left]}: pick two different decoders to race")
     return [str(left), str(right)]
@@ -769,7 +773,7 @@ def from_query(current_pair: str | None, request: gr.Request) -> tuple:
     if "ar" in q:
         outs["ar"] = gr.update(value=q["ar"] in ("1", "true", "True"))
     for side in ("left", "right"):
-        if q.get(side) in RACERS:
+        if q.get(side) in racers():
             outs[side] = gr.update(value=q[side])
     wanted = None
     if "lane" in q or "it" in q:

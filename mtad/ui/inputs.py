@@ -6,19 +6,13 @@ import math
 
 from mtad.pair import Preset
 from mtad.prompts import PromptFileError, read_prompts
-from mtad.settings import Settings
+from mtad.settings import PARAMS, Settings
 
-TAU_RANGE = (0.0, 1.0)
-BEAMS_RANGE = (1, 16)
-GAMMA_RANGE = (1, 12)
 MAX_NEW_RANGE = (1, 512)
 TOP_K_RANGE = (0, 200)
 TEMPERATURE_RANGE = (0.0, 2.0)
 TOP_P_RANGE = (0.0, 1.0)  # open at 0
 SEED_RANGE = (0, 2**31 - 1)
-DRAFTS_RANGE = (1, 8)
-TAU1_RANGE = (0.0, 1.0)
-TAU2_RANGE = (0.0, 10.0)  # nats; the engine allows any value >= 0, the page a useful span
 DEFAULTS = Settings(max_new_tokens=64)
 
 
@@ -60,6 +54,14 @@ def as_bool(name: str, value: object) -> bool:
     return value
 
 
+def page_setting(field: str, value: object) -> int | float:
+    """A method setting from its widget, checked against the page's range for it (``Param.widget_range``:
+    the engine's, or the narrower span the page offers) and named by its widget label."""
+    p = PARAMS[field]
+    lo, hi = p.widget_range
+    return as_int(p.page_name, value, lo, hi) if p.kind is int else as_float(p.page_name, value, lo, hi)
+
+
 def parse_settings(
     tau: object,
     beams: object,
@@ -85,15 +87,15 @@ def parse_settings(
         temperature=as_float("temperature", temperature, *TEMPERATURE_RANGE),
         top_k=as_int("top-k", top_k, *TOP_K_RANGE),
         top_p=as_float("top-p", top_p, *TOP_P_RANGE, lo_open=True),
-        gamma=as_int("draft length γ", gamma, *GAMMA_RANGE),
-        beams=as_int("beams W", beams, *BEAMS_RANGE),
-        tau=as_float("τ (MTAD threshold)", tau, *TAU_RANGE),
+        gamma=page_setting("gamma", gamma),
+        beams=page_setting("beams", beams),
+        tau=page_setting("tau", tau),
         draft_mode="beam",
         max_new_tokens=as_int("max new tokens", max_new_tokens, *MAX_NEW_RANGE),
         seed=as_int("seed", seed, *SEED_RANGE),
-        num_drafts=as_int("drafts m", num_drafts, *DRAFTS_RANGE),
-        tau1=as_float("τ1 (BiLD fallback)", tau1, *TAU1_RANGE),
-        tau2=as_float("τ2 (BiLD rollback, nats)", tau2, *TAU2_RANGE),
+        num_drafts=page_setting("num_drafts", num_drafts),
+        tau1=page_setting("tau1", tau1),
+        tau2=page_setting("tau2", tau2),
     )
     return s.validate()
 

@@ -4,20 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mtad.decoding.spec import SpecField
 from mtad.events import Step
 from mtad.metrics import Metrics, summarize
 from mtad.text import token_pieces
 
-LABELS = {
-    "sd": "Speculative decoding",
-    "mtad": "MTAD",
-    "ar": "Autoregressive (baseline)",
-    "mtad-tree": "MTAD, all beams verified",
-    "bild": "BiLD",
-    "spectr": "Spectr",
-    "specinfer": "SpecInfer",
-    "mtjd": "MTJD (reference, slow)",
-}
+LABELS = SpecField("label")
+"""Each method's lane title, from its spec (``mtad.decoding.spec``)."""
 
 
 @dataclass

@@ -6,6 +6,7 @@ import math
 import re
 from html import escape
 
+from mtad.decoding.spec import registry
 from mtad.events import Step
 from mtad.ui.record import LABELS, LaneRecord
 
@@ -36,11 +37,13 @@ def visible(piece: str) -> str:
 
 def target_kind(step: Step) -> str:
     """What the target's own token is in this step, in words."""
-    if step.method == "mtjd" and step.beams:
-        return f"target's token, from its best of {len(step.beams)} beams (MTJD)"
-    if step.method == "ar" or not step.draft_ids:
+    spec = registry().get(step.method)
+    panel = spec.panel if spec else ""
+    if panel == "target-beams" and step.beams:
+        return f"target's token, from its best of {len(step.beams)} beams ({spec.short})"
+    if panel == "none" or not step.draft_ids:
         return "target token (autoregressive)"
-    if step.method == "sd":
+    if panel == "sd":
         return "bonus token (all drafts accepted)" if step.accepted == len(step.draft_ids) else "resampled token"
     return f"target's token at position {step.accepted + 1}"
 

@@ -8,6 +8,7 @@ from html import escape
 import plotly.graph_objects as go
 
 from mtad.decoding.rules import log_ratios, log_tau, mtad_accept_length, mtad_passes
+from mtad.decoding.spec import SpecField, registry
 from mtad.events import Step
 from mtad.text import token_pieces
 from mtad.ui.figures import style
@@ -87,15 +88,14 @@ def candidates_html(lane: LaneRecord, step: Step, tokenizer: object | None) -> s
     )
 
 
-RULES = {
-    "bild": "BiLD keeps draft tokens until the first whose negative log-likelihood under the target exceeds τ2, "
-    "then the target writes that position (not exact: kept tokens are the draft's)",
-    "spectr": "Spectr's K-SEQ tries the candidates' tokens in turn at each position (accept x with "
-    "min(1, p/(ρq))), follows the candidates carrying the accepted token, and resamples from its residual "
-    "when none passes (exact)",
-    "specinfer": "SpecInfer's MSS walks the token tree: children are tried in turn against p, then against "
-    "norm(max(0, p − q)) after each rejection; the last residual gives the token when all fail (exact)",
-}
+RULES = SpecField("rule")
+"""Each method's sentence on how it verifies (its spec's ``rule``; empty where the panel explains it)."""
+
+
+def panel_of(lane: LaneRecord) -> str:
+    """Which panel explains the lane's iterations (its spec's ``panel``; SD's for a method not registered)."""
+    spec = registry().get(lane.method)
+    return spec.panel if spec is not None else "sd"
 
 
 def mtad_table(step: Step, pieces: list[str], tau: float) -> str:
@@ -178,7 +178,7 @@ def multidraft_table(lane: LaneRecord, step: Step, tokenizer: object | None) -> 
     q(x), the acceptance probability and the uniform draw (Spectr: with its rho); the residual after a
     rejection (SpecInfer: after each, since the next try is judged against it; Spectr: once, when none
     passed) and the token drawn from it. Greedy: the candidates against the target's argmax."""
-    spectr = lane.method == "spectr"
+    spectr = panel_of(lane) == "kseq"
     greedy = all(t.get("u") is None for t in step.walk)
     head = ["position", "try", "x", "p(x)" if spectr or greedy else "p_k(x)", "q(x)"]
     if not greedy:
@@ -298,14 +298,15 @@ def verdict_html(lane: LaneRecord, step: Step, tau: float, run_tau: float) -> st
     eta = mtad_accept_length(step.log_p, step.log_q, tau)
     passing = [str(j + 1) for j, ok in enumerate(mtad_passes(step.log_p, step.log_q, tau)) if ok]
     rule = f"τ = {tau:.3f} (log τ = {log_tau_text(tau)})"
-    if lane.method in RULES:
-        followed = "" if lane.method == "bild" else " of the followed candidate"
+    panel, how = panel_of(lane), RULES.get(lane.method)
+    if how:
+        followed = " of the followed candidate" if panel in ("kseq", "mss") else ""
         lines = [
-            f'{RULES[lane.method]}. It kept <b class="v-eta">{step.accepted}</b> of {g} draft tokens{followed}, '
+            f'{how}. It kept <b class="v-eta">{step.accepted}</b> of {g} draft tokens{followed}, '
             "then added the target's token.",
             f"For comparison, MTAD's joint rule at {rule} would accept {eta} of this draft.",
         ]
-    elif lane.method in ("mtad", "mtad-tree"):
+    elif panel == "mtad":
         which = ", ".join(passing) if passing else "none"
         lines = [
             f"At {rule} the passing prefixes are: {which}. MTAD keeps the <b>longest</b> passing prefix, "
@@ -349,11 +350,12 @@ def verify_html(
     for BiLD's τ1 and τ2)."""
     if lane is None or not lane.steps:
         return '<div class="mtad-verify v-empty">Run a prompt, then pick an iteration of either lane to inspect.</div>'
-    if lane.method == "ar":
+    panel = panel_of(lane)
+    if panel == "none":
         return (
             '<div class="mtad-verify v-empty">The autoregressive lane drafts nothing: there is nothing to verify.</div>'
         )
-    if lane.method == "mtjd":  # the target's own beams: nothing drafted, nothing verified
+    if panel == "target-beams":  # the target's own beams: nothing drafted, nothing verified
         return panel_html(lane, index, tokenizer)
     index = max(0, min(int(index), len(lane.steps) - 1))
     step = lane.steps[index]
@@ -363,7 +365,7 @@ def verify_html(
         + (f" with W = {len(step.beams)} beams" if step.beams else "")
         + "</div>"
     )
-    fell_back = lane.method == "bild" and bool(step.draft_top_q)
+    fell_back = panel == "rollback" and bool(step.draft_top_q)
     if not step.draft_ids and not fell_back:
         return (
             f'<div class="mtad-verify">{head}<p>No draft this iteration: only one token of the budget was left, '
@@ -372,11 +374,11 @@ def verify_html(
     pieces = draft_pieces(lane, index, tokenizer, step.draft_ids)
     parts = [head, laws_html(step, lane)]
     parts.append(candidates_html(lane, step, tokenizer))
-    if lane.method in ("mtad", "mtad-tree"):
+    if panel == "mtad":
         parts += [beams_html(lane, step, tokenizer) if not step.candidates else "", mtad_table(step, pieces, tau)]
-    elif lane.method in ("spectr", "specinfer") and step.walk:
+    elif panel in ("kseq", "mss") and step.walk:
         parts += [multidraft_table(lane, step, tokenizer)]
-    elif lane.method == "bild" and step.draft_top_q is not None:
+    elif panel == "rollback" and step.draft_top_q is not None:
         parts += [bild_table(lane, step, tokenizer, settings or {})]
     else:
         parts += [sd_table(step, pieces)]
@@ -392,7 +394,7 @@ def _floor(values: list[float], extra: float) -> float:
 def walk_figure(lane: LaneRecord, step: Step) -> go.Figure:
     """Spectr / SpecInfer (sampled): each try's acceptance probability as a bar, its uniform draw as a
     diamond; a try passes when its draw lies below its bar."""
-    spectr = lane.method == "spectr"
+    spectr = panel_of(lane) == "kseq"
     xs, bars, us, ok = [], [], [], []
     for i, t in enumerate(step.walk):
         rho = t["rho"] or 1.0
@@ -470,20 +472,21 @@ def verify_figure(lane: LaneRecord | None, index: int, tau: float, settings: dic
     """MTAD: log p_j − log q_j per prefix with the log τ line; SD: per-token log p/q against log u;
     Spectr / SpecInfer: each try's acceptance against its draw; BiLD: each token's NLL against τ2."""
     fig = go.Figure()
-    if lane is None or not lane.steps or lane.method == "ar":
+    if lane is None or not lane.steps or panel_of(lane) == "none":
         return style(fig, "Pick an iteration", "", "", height=280)
-    if lane.method == "mtjd":
+    panel = panel_of(lane)
+    if panel == "target-beams":
         return panel_figure(lane, index)
     index = max(0, min(int(index), len(lane.steps) - 1))
     step = lane.steps[index]
     sampled_walk = step.walk and any(t.get("u") is not None for t in step.walk)
-    if lane.method in ("spectr", "specinfer") and sampled_walk and step.draft_ids:
+    if panel in ("kseq", "mss") and sampled_walk and step.draft_ids:
         return walk_figure(lane, step)
-    if lane.method == "bild" and step.draft_top_q:
+    if panel == "rollback" and step.draft_top_q:
         return bild_figure(lane, step, settings or {})
     js = list(range(1, len(step.draft_ids) + 1))
     threshold = log_tau(tau)
-    if lane.method in ("mtad", "mtad-tree"):
+    if panel == "mtad":
         d = log_ratios(step.log_p, step.log_q)
         floor = _floor(d, threshold)
         ok = mtad_passes(step.log_p, step.log_q, tau)
