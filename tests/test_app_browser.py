@@ -81,10 +81,14 @@ def set_number(page, elem_id: str, value: object) -> None:
 
 
 def run_prompt(page, prompt: str, timeout: float = 120_000) -> None:
+    """Run ``prompt`` and wait for the whole run: both raced lanes and, when it is ticked, the AR lane,
+    which runs last (until then Gradio's timer still shows in the page's outputs)."""
     page.locator("#prompt textarea").fill(prompt)
     page.locator("#run-btn").click()
     page.wait_for_selector(DONE.format("left"), timeout=timeout)
     page.wait_for_selector(DONE.format("right"), timeout=timeout)
+    if page.locator("#with-ar input").is_checked():
+        page.wait_for_selector(DONE.format("ar"), timeout=timeout)
 
 
 def test_run_both_lanes_verify_and_replay(page):
@@ -159,6 +163,8 @@ def test_empty_prompt_error_stays_on_the_page(page):
     # the next Run clears it
     set_number(page, "max-new", 4)
     run_prompt(page, "abc")
+    # the run's last update clears it (Gradio's timer shows there until the run has ended)
+    page.wait_for_function("document.querySelector('#message').innerText.trim() === ''", timeout=30_000)
     assert message_text(page).strip() == ""
 
 
