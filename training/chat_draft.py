@@ -35,6 +35,7 @@ import math
 import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -174,20 +175,17 @@ def next_window(tok: Any, docs: list[str], state: dict, ids: Any, n: int = 512) 
     return torch.tensor(buf), ids
 
 
-def generate_batch(model: Any, tok: Any, prompts: list[str], seed: int, max_new: int = 192) -> list[dict]:
-    """The target's sampled replies with its raw next-token top-K at every reply position.
-
-    The app's sampling (T 1, top-k 20, top-p 0.9; :func:`mtad.sampling.log_probs` and ``pick``, as the
-    decoders draw, with warping tested equal to transformers' warpers) in a batched KV-cached loop that
-    drops a row when it ends: about twice the tokens a second of ``generate``, which sorts the whole
-    vocabulary for top-p and keeps every step's logits.
-    """
+def batched_replies(
+    model: Any, tok: Any, prompts: list[str], seed: int, max_new: int, step: Callable, **forward: Any
+) -> tuple[list[torch.Tensor], list[list[int]], list[list[Any]]]:
+    """Replies to ``prompts`` (one user turn each) in one batched KV-cached loop that drops a row when it
+    ends; ``step(logits, generator) -> (tokens, per_row)`` draws the next token of every live row from its
+    last logits (``per_row``: something to keep per row and position, or None). ``forward`` goes to every
+    model call. Returns each prompt's ids, each reply's ids and what was kept per reply position."""
     from transformers import DynamicCache
 
-    from mtad.sampling import log_probs, make_generator, pick
-    from mtad.settings import Settings
+    from mtad.sampling import make_generator
 
-    warping = Settings(method="ar", temperature=1.0, top_k=20, top_p=0.9)
     texts = [
         tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
         for p in prompts
@@ -197,22 +195,21 @@ def generate_batch(model: Any, tok: Any, prompts: list[str], seed: int, max_new:
     mask = enc["attention_mask"]
     position = (mask.cumsum(-1) - 1).clamp_min(0)
     cache = DynamicCache(config=model.config)
-    out = model(**enc, position_ids=position, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    out = model(**enc, position_ids=position, past_key_values=cache, use_cache=True, logits_to_keep=1, **forward)
     generator = make_generator("cpu", seed)
     live, position = torch.arange(len(prompts)), position[:, -1:]
     replies: list[list[int]] = [[] for _ in prompts]
-    tops: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in prompts]
-    for step in range(max_new):
-        logits = out.logits[:, -1].float()
-        idx, lp = topk_targets(logits)
-        token = pick(log_probs(logits, warping), warping, generator)
+    kept: list[list[Any]] = [[] for _ in prompts]
+    for i in range(max_new):
+        token, per_row = step(out.logits[:, -1], generator)
         going = []
         for row, (b, t) in enumerate(zip(live.tolist(), token.tolist(), strict=True)):
             replies[b].append(t)
-            tops[b].append((idx[row], lp[row]))
+            if per_row is not None:
+                kept[b].append(per_row[row])
             if t != tok.eos_token_id:
                 going.append(row)
-        if not going or step == max_new - 1:
+        if not going or i == max_new - 1:
             break
         if len(going) < len(live):
             keep = torch.tensor(going)
@@ -220,13 +217,37 @@ def generate_batch(model: Any, tok: Any, prompts: list[str], seed: int, max_new:
             live, mask, position, token = live[keep], mask[keep], position[keep], token[keep]
         mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1)
         position = position + 1
-        out = model(input_ids=token[:, None], attention_mask=mask, position_ids=position, past_key_values=cache)
+        out = model(
+            input_ids=token[:, None], attention_mask=mask, position_ids=position, past_key_values=cache, **forward
+        )
+    prompt_ids = [enc["input_ids"][b][enc["attention_mask"][b].bool()] for b in range(len(prompts))]
+    return prompt_ids, replies, kept
+
+
+def generate_batch(model: Any, tok: Any, prompts: list[str], seed: int, max_new: int = 192) -> list[dict]:
+    """The target's sampled replies with its raw next-token top-K at every reply position.
+
+    The app's sampling (T 1, top-k 20, top-p 0.9; :func:`mtad.sampling.log_probs` and ``pick``, as the
+    decoders draw, with warping tested equal to transformers' warpers) in :func:`batched_replies`'s loop,
+    about twice the tokens a second of ``generate``, which sorts the whole vocabulary for top-p and keeps
+    every step's logits.
+    """
+    from mtad.sampling import log_probs, pick
+    from mtad.settings import Settings
+
+    warping = Settings(method="ar", temperature=1.0, top_k=20, top_p=0.9)
+
+    def step(logits: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, list]:
+        logits = logits.float()
+        idx, lp = topk_targets(logits)
+        return pick(log_probs(logits, warping), warping, generator), list(zip(idx, lp, strict=True))
+
+    prompt_ids, replies, tops = batched_replies(model, tok, prompts, seed, max_new, step)
     samples = []
-    for b in range(len(prompts)):
-        prompt = enc["input_ids"][b][enc["attention_mask"][b].bool()]
-        ids = torch.cat([prompt, torch.tensor(replies[b])]).int()
-        idx = torch.stack([i for i, _ in tops[b]])
-        lp = torch.stack([v for _, v in tops[b]])
+    for prompt, reply, top in zip(prompt_ids, replies, tops, strict=True):
+        ids = torch.cat([prompt, torch.tensor(reply)]).int()
+        idx = torch.stack([i for i, _ in top])
+        lp = torch.stack([v for _, v in top])
         samples.append({"ids": ids, "start": len(prompt) - 1, "idx": idx, "lp": lp})
     return samples
 

@@ -168,61 +168,25 @@ def instructions(heldout: bool) -> list[str]:
 
 @torch.inference_mode()
 def sample_replies(draft: Any, tok: Any, prompts: list[str], seed: int, max_new: int) -> list[dict]:
-    """The draft's own replies, sampled as the app samples (its shortlist logits, warped), in one
-    batched KV-cached loop; each sample holds the chat-formatted ids and where the reply starts."""
-    from transformers import DynamicCache
-
-    from mtad.sampling import make_generator, pick
+    """The draft's own replies, sampled as the app samples (its shortlist logits, warped), in the chat
+    trainer's batched loop; each sample holds the chat-formatted ids and where the reply starts."""
+    from mtad.sampling import log_probs, pick
+    from training.chat_draft import batched_replies
 
     settings = warping()
+    columns = draft.columns
+
+    def step(logits: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, None]:
+        return columns[pick(log_probs(logits, settings), settings, generator)], None
+
     was_training = draft.training
     draft.eval()
-    texts = [
-        tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-        for p in prompts
-    ]
-    tok.padding_side = "left"
-    enc = tok(texts, return_tensors="pt", padding=True)
-    mask = enc["attention_mask"]
-    position = (mask.cumsum(-1) - 1).clamp_min(0)
-    cache = DynamicCache(config=draft.config)
-    out = draft(
-        **enc, position_ids=position, past_key_values=cache, use_cache=True, logits_to_keep=1, shortlist_only=True
-    )
-    generator = make_generator("cpu", seed)
-    columns = draft.columns
-    live, position = torch.arange(len(prompts)), position[:, -1:]
-    replies: list[list[int]] = [[] for _ in prompts]
-    for step in range(max_new):
-        logq = torch.log_softmax(warp_rows(out.logits[:, -1], settings), dim=-1)
-        token = columns[pick(logq, settings, generator)]
-        going = []
-        for row, (b, t) in enumerate(zip(live.tolist(), token.tolist(), strict=True)):
-            replies[b].append(t)
-            if t != tok.eos_token_id:
-                going.append(row)
-        if not going or step == max_new - 1:
-            break
-        if len(going) < len(live):
-            keep = torch.tensor(going)
-            cache.batch_select_indices(keep)
-            live, mask, position, token = live[keep], mask[keep], position[keep], token[keep]
-        mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1)
-        position = position + 1
-        out = draft(
-            input_ids=token[:, None],
-            attention_mask=mask,
-            position_ids=position,
-            past_key_values=cache,
-            use_cache=True,
-            shortlist_only=True,
-        )
+    prompt_ids, replies, _ = batched_replies(draft, tok, prompts, seed, max_new, step, shortlist_only=True)
     draft.train(was_training)
-    samples = []
-    for b in range(len(prompts)):
-        prompt = enc["input_ids"][b][enc["attention_mask"][b].bool()]
-        samples.append({"ids": torch.cat([prompt, torch.tensor(replies[b])]).int(), "start": len(prompt) - 1})
-    return samples
+    return [
+        {"ids": torch.cat([prompt, torch.tensor(reply)]).int(), "start": len(prompt) - 1}
+        for prompt, reply in zip(prompt_ids, replies, strict=True)
+    ]
 
 
 def target_replies(target: Any, tok: Any, prompts: list[str], seed: int, max_new: int) -> list[dict]:
@@ -230,13 +194,6 @@ def target_replies(target: Any, tok: Any, prompts: list[str], seed: int, max_new
     from training.chat_draft import generate_batch
 
     return [{"ids": s["ids"], "start": s["start"]} for s in generate_batch(target, tok, prompts, seed, max_new)]
-
-
-def warp_rows(logits: torch.Tensor, settings: Any) -> torch.Tensor:
-    """Warped fp32 logits of [rows, V] logits (filtered tokens at -inf)."""
-    from mtad.sampling import warp
-
-    return warp(logits.float(), settings)
 
 
 @torch.inference_mode()
