@@ -27,7 +27,7 @@ import torch
 
 from mtad.cpu_attention import NAME as CPU_SDPA
 from mtad.decoding.autoregressive import ar_step
-from mtad.decoding.state import CachedLM, DecodeState, to_host
+from mtad.decoding.state import DecodeState, to_host
 from mtad.decoding.tree import TokenTree, keep_path, verify_tree
 from mtad.events import Step
 from mtad.sampling import probs, sample
@@ -83,16 +83,6 @@ def residual_top(dist: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return top.values, top.indices
 
 
-def fan_out(lm: CachedLM, rows: int) -> None:
-    """Repeat the cache's single row ``rows`` times (nothing to do while it is still empty)."""
-    lm.cache.fan_out(rows)
-
-
-def keep_row(lm: CachedLM, row: int) -> None:
-    """Reduce a fanned-out cache to one of its rows."""
-    lm.cache.keep_row(row)
-
-
 @dataclass
 class Drafts:
     """m draft sequences [m, g] and the draft's distributions they were drawn from [m, g, V]."""
@@ -105,7 +95,7 @@ def iid_draft(st: DecodeState, g: int, m: int) -> Drafts:
     """m independent sequences of g tokens from warp(q) (argmax when greedy), one batched draft
     forward per position; the draft cache is left with m rows (see :func:`keep_row`)."""
     pending = st.pending(st.draft)
-    fan_out(st.draft, m)
+    st.draft.cache.fan_out(m)
     tokens = pending.expand(m, -1)
     drafted, q_rows = [], []
     for _ in range(g):
@@ -123,7 +113,7 @@ def verify_rows(st: DecodeState, drafts: torch.Tensor) -> torch.Tensor:
     The target cache is left with m rows: reduce it with :func:`keep_row` before committing."""
     m, g = drafts.shape
     pending = st.pending(st.target)
-    fan_out(st.target, m)
+    st.target.cache.fan_out(m)
     tokens = torch.cat([pending.expand(m, -1), drafts], dim=1)
     t0 = st.timer.mark()
     logits = st.target.feed(tokens, keep=g + 1)
@@ -214,7 +204,7 @@ class Verified:
 def rows_verified(st: DecodeState, drafts: torch.Tensor) -> Verified:
     """:func:`verify_rows` as a :class:`Verified`."""
     logits = verify_rows(st, drafts)
-    return Verified(at=lambda w, i: logits[w, i], keep=lambda w, n: keep_row(st.target, w))
+    return Verified(at=lambda w, i: logits[w, i], keep=lambda w, n: st.target.cache.keep_row(w))
 
 
 def tree_verified(
@@ -282,7 +272,7 @@ def multi_step(st: DecodeState, rule: Rule, how: str | None = None) -> Step:
     n, w = out.accepted, out.chosen
     rows = torch.stack([checked.at(w, i) for i in range(g + 1)])  # [g + 1, V]
     checked.keep(w, n)
-    keep_row(st.draft, w)
+    st.draft.cache.keep_row(w)
 
     draft = drafts.tokens[w]
     lp_x = st.judged(rows[:g]).gather(1, draft[:, None])[:, 0]
