@@ -164,7 +164,9 @@ def build() -> gr.Blocks:
         api_run, api_replay = gr.Button(visible=False), gr.Button(visible=False)
         api_run.click(h.run, run_inputs, run_outputs, api_name="run", **run_opts)
         api_replay.click(h.replay, record, replay_outputs, api_name="replay", concurrency_limit=4)
-        v_lane.change(h.verify_lane, [record, v_lane, v_tau], [v_iter, v_html, v_plot], **private)
+        # .input, not .change: verify_reset sets the lane, iteration and view itself after a run (a link's
+        # iteration among them), and a .change here would race it back to iteration 1
+        v_lane.input(h.verify_lane, [record, v_lane, v_tau], [v_iter, v_html, v_plot], **private)
         for widget in (v_iter, v_tau):
             widget.change(h.verify_view, [record, v_lane, v_iter, v_tau], [v_html, v_plot], **private)
         for widget in (v_lane, v_iter):
