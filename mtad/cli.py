@@ -32,6 +32,19 @@ def add_pair_args(p: argparse.ArgumentParser) -> None:
         help="auto: split the target over all GPUs (then the CPU) with accelerate, draft on its first device; "
         "--device cpu keeps the pair whole on the CPU (default: MTAD_DEVICE_MAP, else none)",
     )
+    add_engine_arg(p)
+
+
+def add_engine_arg(p: argparse.ArgumentParser) -> None:
+    """--engine: how the target runs (shared with the bench)."""
+    p.add_argument(
+        "--engine",
+        choices=("auto", "eager", "compiled"),
+        default="auto",
+        help="eager: transformers' forward; compiled: the target over a static cache, its decoding shapes compiled "
+        "with torch.compile (each new shape compiles once, minutes on a small CPU; inductor keeps the code on disk) "
+        "(default: MTAD_ENGINE, else eager)",
+    )
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -55,11 +68,12 @@ def load_pair_from_args(args: argparse.Namespace):  # noqa: ANN201
 
     if bool(args.draft) != bool(args.target):
         raise PairError("give both --draft and --target, or neither (then --pair chooses)")
+    how = dict(device=args.device, dtype=args.dtype, device_map=args.device_map, engine=args.engine)
     if args.draft:
         if args.pair:
             raise PairError("give either --pair or --draft/--target, not both")
-        return load(args.draft, args.target, device=args.device, dtype=args.dtype, device_map=args.device_map)
-    return load_pair(args.pair or default_pair_name(), device=args.device, dtype=args.dtype, device_map=args.device_map)
+        return load(args.draft, args.target, **how)
+    return load_pair(args.pair or default_pair_name(), **how)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -66,6 +66,8 @@ class ModelPair:
     kernels: dict[str, str] = field(default_factory=dict)
     """The linear-layer kernel each model runs (``mtad.kernels``), e.g. ``{"draft": "onednn", "target": "onednn"}``;
     empty off the CPU, where PyTorch's own kernels run."""
+    engine: str = "eager"
+    """How the target runs: ``eager`` (transformers' forward) or ``compiled`` (``mtad.decoding.static_lm``)."""
 
     @property
     def chat(self) -> bool:
@@ -173,6 +175,17 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device, preset:
     return DTYPES[dtype]
 
 
+def resolve_engine(engine: str | None) -> str:
+    """An explicit engine wins, then the operator's ``MTAD_ENGINE``, else ``eager``."""
+    from mtad.decoding.static_lm import ENGINES
+
+    if engine in (None, "auto"):
+        engine = os.environ.get("MTAD_ENGINE") or "eager"
+    if engine not in ENGINES:
+        raise PairError(f"engine must be auto or one of {', '.join(ENGINES)}; got {engine!r}")
+    return engine
+
+
 def resolve_device_map(device_map: str | None) -> str | None:
     """``"auto"`` (split the target over every GPU, then the CPU) or None (one device); ``MTAD_DEVICE_MAP``
     is the default."""
@@ -198,6 +211,7 @@ def load(
     name: str = "custom",
     device_map: str | None = None,
     preset_dtype: str | None = None,
+    engine: str | None = "auto",
 ) -> ModelPair:
     """Load a pair from local directories or Hub ids with ``from_pretrained`` (never remote code).
 
@@ -207,6 +221,7 @@ def load(
     """
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev, preset_dtype)
+    engine = resolve_engine(engine)
     split = resolve_device_map(device_map)
     if str(device) == "cpu":  # a CPU asked for by name keeps the whole pair: accelerate's "auto" would use the GPUs
         split = None
@@ -238,6 +253,11 @@ def load(
             f"a model's output layer is smaller than the tokenizer: draft {sizes[0]}, target {sizes[1]}, "
             f"tokenizer {len(tok_t)} tokens"
         )
+    if engine == "compiled":
+        from mtad.decoding.static_lm import supports
+
+        if (why := supports(models[1])) is not None:
+            raise PairError(f"the compiled engine cannot run this target: {why}; use --engine eager")
     eos = {tok_t.eos_token_id} if tok_t.eos_token_id is not None else set()
     for m in models[1:]:
         cfg_eos = getattr(m.generation_config, "eos_token_id", None)
@@ -252,6 +272,7 @@ def load(
         vocab_size=min(sizes),
         eos_ids=frozenset(eos),
         kernels=kernels,
+        engine=engine,
     )
 
 
@@ -353,6 +374,7 @@ def load_pair(
     device: str | None = "auto",
     dtype: str | torch.dtype | None = "auto",
     device_map: str | None = None,
+    engine: str | None = "auto",
 ) -> ModelPair:
     """Load a preset by name; a Hub pair that cannot be reached says so and names the offline pair."""
     table = presets()
@@ -363,7 +385,14 @@ def load_pair(
         raise PairError(f"preset {name!r} has dtype {p.dtype!r}; use one of {', '.join(DTYPES)}")
     try:
         return load(
-            p.draft, p.target, device=device, dtype=dtype, name=name, device_map=device_map, preset_dtype=p.dtype
+            p.draft,
+            p.target,
+            device=device,
+            dtype=dtype,
+            name=name,
+            device_map=device_map,
+            preset_dtype=p.dtype,
+            engine=engine,
         )
     except PairError as exc:
         if p.install and not Path(p.target).exists():  # advice only when the packaged target is what is missing

@@ -10,8 +10,8 @@ from test_architectures import arch_pair  # noqa: F401  (the OPT/Qwen2 pair fixt
 
 from mtad.decoding.multidraft import layout, multi_step
 from mtad.decoding.specinfer import mss
-from mtad.decoding.state import DecodeState
-from mtad.decoding.tree import TokenTree, keep_path, tree_mask, verify_tree
+from mtad.decoding.state import DecodeState, additive_mask
+from mtad.decoding.tree import TokenTree, keep_path, tree_allow, verify_tree
 from mtad.settings import Settings
 
 SEQS = [[1, 2, 3], [1, 2, 4], [5, 2, 3], [1, 2, 3], [1, 6, 3]]
@@ -46,13 +46,13 @@ def test_tree_mask_is_in_the_models_dtype() -> None:
     """The additive mask joins the attention scores: it must come in the model's dtype (bf16 on CPUs)."""
     tree = TokenTree.from_sequences([[7, 8], [7, 9]])
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        mask = tree_mask(tree, past=3, pending=2, dtype=dtype, device=torch.device("cpu"))
+        mask = additive_mask(tree_allow(tree, past=3, pending=2), dtype)
         assert mask.dtype == dtype and mask.min() == torch.finfo(dtype).min and mask.max() == 0
 
 
 def test_tree_mask_layout() -> None:
     tree = TokenTree.from_sequences([[7, 8], [7, 9]])  # nodes 7, 8, 9; 8 and 9 children of 7
-    mask = tree_mask(tree, past=3, pending=2, dtype=torch.float32, device=torch.device("cpu"))[0, 0]
+    mask = additive_mask(tree_allow(tree, past=3, pending=2), torch.float32)
     allow = (mask == 0).int().tolist()
     assert allow == [
         [1, 1, 1, 1, 0, 0, 0, 0],  # pending token 1: the past and itself

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mtad.decoding.kv import KVCache
+from mtad.decoding.static_lm import StaticLM
 from mtad.events import Step
 from mtad.pair import ModelPair
 from mtad.sampling import log_probs, make_generator
@@ -44,9 +45,36 @@ class CachedLM:
         out = self.model(input_ids=tokens, past_key_values=self.cache.past_key_values, use_cache=True, **kwargs)
         return out.logits[:, -keep:].float() if short else out.logits[:, -keep:, : self.vocab].float()
 
+    @torch.inference_mode()
+    def feed_masked(self, tokens: torch.Tensor, positions: list[int], allow: torch.Tensor) -> torch.Tensor:
+        """Run ``tokens`` [1, n] at rotary ``positions`` with ``allow`` [n, past + n] (True = attend), e.g. a
+        token tree; fp32 logits of every position [1, n, V]."""
+        device = tokens.device
+        out = self.model(
+            input_ids=tokens,
+            attention_mask=additive_mask(allow, self.model.dtype).to(device)[None, None],
+            position_ids=torch.tensor([positions], device=device),
+            past_key_values=self.cache.past_key_values,
+            use_cache=True,
+        )
+        return out.logits[..., : self.vocab].float()
+
     def rollback(self, length: int) -> None:
         """Forget cached positions beyond ``length``."""
         self.cache.crop(length)
+
+
+def additive_mask(allow: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """transformers' additive form of a boolean attention mask, in the model's dtype (it joins the scores):
+    0 where ``allow``, the dtype's lowest value elsewhere."""
+    return torch.zeros(allow.shape, dtype=dtype).masked_fill(~allow, torch.finfo(dtype).min)
+
+
+def target_lm(pair: ModelPair) -> CachedLM | StaticLM:
+    """The target as the pair's engine runs it: eager over a ``DynamicCache``, or compiled over a static one."""
+    if pair.engine == "compiled":
+        return StaticLM(pair.target, pair.vocab_size)
+    return CachedLM(pair.target, pair.vocab_size)
 
 
 class PhaseTimer:
@@ -81,7 +109,7 @@ class DecodeState:
     settings: Settings
     ids: list[int]
     prompt_len: int
-    target: CachedLM
+    target: CachedLM | StaticLM
     draft: CachedLM | None
     device: torch.device
     eos_ids: frozenset[int]
@@ -101,7 +129,7 @@ class DecodeState:
             settings=settings,
             ids=list(prompt_ids),
             prompt_len=len(prompt_ids),
-            target=CachedLM(pair.target, pair.vocab_size),
+            target=target_lm(pair),
             draft=CachedLM(pair.draft, pair.vocab_size) if needs_draft else None,
             device=pair.device,
             eos_ids=pair.eos_ids,

@@ -54,9 +54,9 @@ class TokenTree:
         return seen
 
 
-def tree_mask(tree: TokenTree, past: int, pending: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The additive 4-D mask [1, 1, pending + N, past + pending + N] of one tree forward: cached
-    context visible to all, the pending context tokens causal, each node its ancestors (0 = attend)."""
+def tree_allow(tree: TokenTree, past: int, pending: int) -> torch.Tensor:
+    """Which positions each query of one tree forward attends, [pending + N, past + pending + N] (True =
+    attend): cached context visible to all, the pending context tokens causal, each node its ancestors."""
     n = len(tree)
     q = pending + n
     allow = torch.zeros(q, past + q, dtype=torch.bool)
@@ -64,8 +64,7 @@ def tree_mask(tree: TokenTree, past: int, pending: int, dtype: torch.dtype, devi
     allow[:, past : past + pending] = torch.ones(q, pending, dtype=torch.bool).tril(diagonal=0)
     allow[pending:, past : past + pending] = True
     allow[pending:, past + pending :] = tree.ancestors()
-    mask = torch.zeros(q, past + q, dtype=dtype).masked_fill(~allow, torch.finfo(dtype).min)
-    return mask.to(device)[None, None]
+    return allow
 
 
 def verify_tree(st: DecodeState, tree: TokenTree) -> torch.Tensor:
@@ -78,17 +77,8 @@ def verify_tree(st: DecodeState, tree: TokenTree) -> torch.Tensor:
     past, k = lm.length, pending.shape[1]
     nodes = torch.tensor([tree.tokens], dtype=torch.long, device=st.device)
     positions = list(range(past, past + k)) + [past + k + d for d in tree.depths]
-    mask = tree_mask(tree, past, k, lm.model.dtype, st.device)
     t0 = st.timer.mark()
-    with torch.inference_mode():
-        out = lm.model(
-            input_ids=torch.cat([pending, nodes], dim=1),
-            attention_mask=mask,
-            position_ids=torch.tensor([positions], device=st.device),
-            past_key_values=lm.cache.past_key_values,
-            use_cache=True,
-        )
-    logits = out.logits[0, :, : lm.vocab].float()
+    logits = lm.feed_masked(torch.cat([pending, nodes], dim=1), positions, tree_allow(tree, past, k))[0]
     st.spans["target"].append((t0, st.timer.mark()))
     return logits
 

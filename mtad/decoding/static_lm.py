@@ -1,0 +1,259 @@
+"""The compiled engine: a Llama-family target over a static key/value buffer, its decoding shapes compiled.
+
+Eager decoding runs transformers' forward over a ``DynamicCache``: dozens of small operators a layer, each
+dispatched from Python, which on a CPU cost as much as the matrix products of a one-token forward. Here
+the same modules (projections, norms, MLP, rotary embedding: the model's own, with its weights) run in
+one function over preallocated buffers ``[rows, kv_heads, capacity, head_dim]``, written at the slots a
+forward fills (gpt-fast's layout), and ``torch.compile`` fuses everything between the products.
+
+Only the shapes decoding repeats are compiled: up to :data:`COMPILED_TOKENS` tokens in up to
+:data:`COMPILED_ROWS` rows (one new token; a verification of γ + 1 tokens or a token tree; beams). A
+prompt's prefill runs the same function uncompiled. The attended length is dynamic (marked so before the
+first compile), so a growing context never recompiles; each new (rows, tokens) shape compiles once per
+process, and inductor keeps the compiled code on disk for the next process. Rolling back is moving the
+length: slots past it are masked and overwritten.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch._dynamo
+import torch._inductor.config
+from torch.nn import functional as F
+
+COMPILED_TOKENS = 16
+COMPILED_ROWS = 16
+CAPACITY_STEP = 256
+ENGINES = ("eager", "compiled")
+
+
+def supports(model: torch.nn.Module) -> str | None:
+    """Why ``model`` cannot run on the compiled engine, or None when it can (a Llama-family decoder whose
+    layers are transformers' Llama layers, as both shipped pairs' targets are)."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None or not hasattr(inner, "rotary_emb") or not hasattr(model, "lm_head"):
+        return f"{type(model).__name__} is not a Llama-family causal LM with an lm_head"
+    attn = layers[0].self_attn
+    if not all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")):
+        return f"{type(attn).__name__} is not a Llama attention layer"
+    if getattr(model.config, "sliding_window", None):
+        return "sliding-window attention is not supported by the compiled engine"
+    return None
+
+
+class StaticKV:
+    """Keys and values in preallocated buffers, the same operations as :class:`~mtad.decoding.kv.KVCache`.
+
+    ``length`` is a host integer (decoding always knows it): cropping moves it, and a forward writes its
+    tokens at slots ``length …``. Row operations copy inside the buffers, never reallocate, unless the
+    row count changes."""
+
+    def __init__(self, config: Any, dtype: torch.dtype, device: torch.device) -> None:
+        self.layers = config.num_hidden_layers
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.dtype, self.device = dtype, device
+        self.length = 0
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    @property
+    def rows(self) -> int:
+        """Batch rows held (1 before the first forward)."""
+        return self.keys[0].shape[0] if self.keys else 1
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2] if self.keys else 0
+
+    def reserve(self, rows: int, length: int) -> None:
+        """Make room for ``length`` positions in ``rows`` rows, keeping what is held (capacity grows in
+        steps of :data:`CAPACITY_STEP`, so buffers are rarely remade)."""
+        if self.keys and rows == self.rows and length <= self.capacity:
+            return
+        cap = max(self.capacity, -(-length // CAPACITY_STEP) * CAPACITY_STEP)
+        shape = (rows, self.kv_heads, cap, self.head_dim)
+        old_k, old_v = self.keys, self.values
+        self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
+        self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
+        for buf in self.keys + self.values:
+            torch._dynamo.mark_dynamic(buf, 2)  # a larger capacity is the same compiled graph
+        if old_k and self.length:
+            n = self.length
+            src_rows = old_k[0].shape[0]
+            for new, old in zip(self.keys + self.values, old_k + old_v, strict=True):
+                new[:, :, :n] = old[:, :, :n] if src_rows == rows else old[:1, :, :n].expand(rows, -1, -1, -1)
+
+    def crop(self, length: int) -> None:
+        """Forget every position from ``length`` on."""
+        self.length = min(self.length, length)
+
+    def fan_out(self, rows: int) -> None:
+        """Repeat the one row ``rows`` times (nothing to do while the cache is empty)."""
+        if rows > 1 and self.length and self.rows != rows:
+            self.reserve(rows, self.length)
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep the rows ``index`` (a device tensor, so no host read) in that order."""
+        if not self.length:
+            return
+        n = self.length
+        rows = index.numel()
+        picked = [t[:, :, :n].index_select(0, index) for t in self.keys + self.values]
+        if rows != self.rows:
+            self.keys, self.values, self.length = [], [], 0
+            self.reserve(rows, n)
+            self.length = n
+        for buf, src in zip(self.keys + self.values, picked, strict=True):
+            buf[:, :, :n] = src
+
+    def keep_row(self, row: int) -> None:
+        """Reduce a fanned-out cache to one of its rows."""
+        if self.rows > 1:
+            self.select_rows(torch.tensor([row], device=self.device))
+
+    def reorder(self, parent: torch.Tensor) -> None:
+        """Row i becomes old row ``parent[i]`` (beam search; from one row this also fans out)."""
+        self.select_rows(parent)
+
+    def keep_positions(self, keep: list[int]) -> None:
+        """Keep only the positions ``keep`` (in order), e.g. the context and one path of a token tree."""
+        idx = torch.tensor(keep, device=self.device)
+        for buf in self.keys + self.values:
+            buf[:, :, : len(keep)] = buf.index_select(2, idx)
+        self.length = len(keep)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every key and value buffer held (what the cache costs in memory)."""
+        return self.keys + self.values
+
+
+def llama_forward(
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    mask: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    keep: int,
+) -> torch.Tensor:
+    """Logits [rows, keep, V] of the last ``keep`` of ``ids`` [rows, n] at rotary ``positions`` [n],
+    their keys and values written at cache ``slots`` [n]; ``mask`` [n, S] (True = attend) over the first
+    S slots. The model's own norms, activation, rotary embedding and weights; attention and the cache here."""
+    inner = model.model
+    rows, n = ids.shape
+    h = inner.embed_tokens(ids)
+    cos, sin = inner.rotary_emb(h, positions.view(1, -1))
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    span = mask.shape[-1]
+    for layer, k_buf, v_buf in zip(inner.layers, keys, values, strict=True):
+        attn = layer.self_attn
+        x = layer.input_layernorm(h)
+        q = _linear(attn.q_proj, x).view(rows, n, -1, attn.head_dim).transpose(1, 2)
+        k = _linear(attn.k_proj, x).view(rows, n, -1, attn.head_dim).transpose(1, 2)
+        v = _linear(attn.v_proj, x).view(rows, n, -1, attn.head_dim).transpose(1, 2)
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        k_buf.index_copy_(2, slots, k)
+        v_buf.index_copy_(2, slots, v)
+        o = F.scaled_dot_product_attention(
+            q, k_buf[:, :, :span], v_buf[:, :, :span], attn_mask=mask, scale=attn.scaling, enable_gqa=True
+        )
+        h = h + _linear(attn.o_proj, o.transpose(1, 2).reshape(rows, n, -1))
+        mlp, x = layer.mlp, layer.post_attention_layernorm(h)
+        h = h + _linear(mlp.down_proj, mlp.act_fn(_linear(mlp.gate_proj, x)) * _linear(mlp.up_proj, x))
+    return _linear(model.lm_head, inner.norm(h[:, -keep:]))
+
+
+def _linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``layer``'s product as the plain ``F.linear`` of its weight (whichever eager kernel the layer was
+    given), which inductor prepacks for its own kernels when it freezes the weights."""
+    return F.linear(x, layer.weight, layer.bias)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class _Forward(torch.nn.Module):
+    """``llama_forward`` as a module holding the model, so the compiler sees its weights as attributes it
+    may freeze (constants it prepacks), not as inputs."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args: Any) -> torch.Tensor:
+        return llama_forward(self.model, *args)
+
+
+def compiled_forward(model: torch.nn.Module) -> Any:
+    """``llama_forward`` of ``model`` compiled once per model and process (kept on the model)."""
+    fn = model.__dict__.get("_mtad_compiled_forward")
+    if fn is None:
+        # one compiled graph per (rows, tokens, keep) shape decoding meets; the attended length is dynamic
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        fn = torch.compile(_Forward(model))
+        model.__dict__["_mtad_compiled_forward"] = fn
+    return fn
+
+
+class StaticLM:
+    """:class:`~mtad.decoding.state.CachedLM` on the compiled engine: same calls, a static cache."""
+
+    def __init__(self, model: torch.nn.Module, vocab: int) -> None:
+        why = supports(model)
+        if why:
+            raise ValueError(f"the compiled engine cannot run this model: {why}")
+        self.model = model
+        self.vocab = vocab
+        param = next(model.parameters())
+        self.cache = StaticKV(model.config, param.dtype, param.device)
+        self.columns: torch.Tensor | None = None
+        self.compile = os.environ.get("MTAD_COMPILE", "1") != "0"
+
+    @property
+    def length(self) -> int:
+        """Tokens held in the cache."""
+        return self.cache.length
+
+    def rollback(self, length: int) -> None:
+        """Forget cached positions beyond ``length``."""
+        self.cache.crop(length)
+
+    @torch.inference_mode()
+    def feed(self, tokens: torch.Tensor, keep: int = 1, columns: bool = False) -> torch.Tensor:
+        """Run ``tokens`` [B, n] after the cached context; fp32 logits of the last ``keep`` positions."""
+        past, n = self.cache.length, tokens.shape[1]
+        allow = torch.ones(n, past + n, dtype=torch.bool).tril(diagonal=past)
+        return self._run(tokens, torch.arange(past, past + n), allow, keep)
+
+    @torch.inference_mode()
+    def feed_masked(self, tokens: torch.Tensor, positions: list[int], allow: torch.Tensor) -> torch.Tensor:
+        """Run ``tokens`` [1, n] at rotary ``positions`` with ``allow`` [n, past + n] (True = attend), e.g. a
+        token tree; fp32 logits of every position [1, n, V]."""
+        return self._run(tokens, torch.tensor(positions), allow, tokens.shape[1])
+
+    def _run(self, tokens: torch.Tensor, positions: torch.Tensor, allow: torch.Tensor, keep: int) -> torch.Tensor:
+        rows, n = tokens.shape
+        past = self.cache.length
+        if rows != self.cache.rows and past:
+            self.cache.fan_out(rows)
+        self.cache.reserve(rows, past + n)
+        dev = self.cache.device
+        slots = torch.arange(past, past + n, device=dev)
+        mask = allow.to(dev)
+        args = (tokens, positions.to(dev), slots, mask, self.cache.keys, self.cache.values, keep)
+        if self.compile and past and n <= COMPILED_TOKENS and rows <= COMPILED_ROWS:
+            torch._dynamo.mark_dynamic(mask, 1)
+            with torch._inductor.config.patch(freezing=True):  # weights as constants, prepacked by inductor
+                logits = compiled_forward(self.model)(*args)
+        else:
+            logits = llama_forward(self.model, *args)
+        self.cache.length = past + n
+        return logits[..., : self.vocab].float()
