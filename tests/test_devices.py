@@ -1,4 +1,4 @@
-"""Device, dtype and device-map choices (mtad/pair.py) on this CPU-only machine: CUDA counts and compute
+"""Device, dtype and device-map choices (mtad/models/pair.py) on this CPU-only machine: CUDA counts and compute
 capabilities are faked where the code asks torch for them; the models are real and tiny."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import mtad.pair as pair_mod
+import mtad.models.pair as pair_mod
 from mtad.cli import main
 from mtad.decoding import generate
 from mtad.decoding.state import CachedLM
-from mtad.pair import (
+from mtad.models.pair import (
     PairError,
     auto_dtype,
     cpu_has_native_bf16,

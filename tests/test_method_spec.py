@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import gradio as gr
 import pytest
 
-import mtad.bench as bench
+import mtad.bench.cli as bench
 from mtad import cli
 from mtad.decoding import DECODERS, decode, encode_prompt, spec
 from mtad.decoding.spec import PANELS, MethodSpec, register, registry, unregister

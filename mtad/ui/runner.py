@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import torch
 
 from mtad.decoding import decode
-from mtad.pair import ModelPair, PairError, load_pair, presets
+from mtad.models.pair import ModelPair, PairError, load_pair, presets
 from mtad.settings import Settings
 from mtad.ui.record import LaneEnergy, RunRecord
 

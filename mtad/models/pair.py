@@ -13,13 +13,13 @@ from urllib.parse import urlparse
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from mtad.cpu_attention import use_cpu_gqa_attention
-from mtad.gguf_cache import materialize
-from mtad.kernels import choose as choose_linear_kernel
-from mtad.kernels import use_linear_kernel
-from mtad.shortlist_draft import Int8Linear  # importing it registers shortlist drafts with the Auto classes
+from mtad.models.cpu_attention import use_cpu_gqa_attention
+from mtad.models.gguf_cache import materialize
+from mtad.models.kernels import choose as choose_linear_kernel
+from mtad.models.kernels import use_linear_kernel
+from mtad.models.shortlist_draft import Int8Linear  # importing it registers shortlist drafts with the Auto classes
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
+ASSETS = Path(__file__).resolve().parents[2] / "assets"
 DEFAULT_PRESETS = ASSETS / "pairs.toml"
 OFFLINE_PAIR = "embedded"
 DTYPES = {
@@ -64,7 +64,7 @@ class ModelPair:
     vocab_size: int = 0
     eos_ids: frozenset[int] = field(default_factory=frozenset)
     kernels: dict[str, str] = field(default_factory=dict)
-    """The linear-layer kernel each model runs (``mtad.kernels``), e.g. ``{"draft": "onednn", "target": "onednn"}``;
+    """The linear-layer kernel each model runs (``mtad.models.kernels``), e.g. ``{"draft": "onednn", "target": "onednn"}``;
     empty off the CPU, where PyTorch's own kernels run."""
 
     @property
@@ -97,7 +97,7 @@ class ModelPair:
 
 def weight_count(model: torch.nn.Module) -> int:
     """A model's parameters, counting the int8 weight matrices of a quantised draft too: those are
-    buffers (:class:`mtad.shortlist_draft.Int8Linear`), which ``parameters()`` leaves out."""
+    buffers (:class:`mtad.models.shortlist_draft.Int8Linear`), which ``parameters()`` leaves out."""
     quantised = sum(m.qweight.numel() for m in model.modules() if isinstance(m, Int8Linear))
     return sum(p.numel() for p in model.parameters()) + quantised
 
@@ -257,7 +257,7 @@ def load(
 
 def use_cpu_kernels(model: torch.nn.Module) -> torch.nn.Module:
     """A CPU model's faster paths, same products: grouped-query attention left to the kernel
-    (``mtad.cpu_attention``) and the linear-layer kernel measured fastest here (``mtad.kernels``),
+    (``mtad.models.cpu_attention``) and the linear-layer kernel measured fastest here (``mtad.models.kernels``),
     recorded as ``model.mtad_linear_kernel``."""
     use_cpu_gqa_attention(model)
     try:
