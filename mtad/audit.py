@@ -177,7 +177,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from mtad.decoding import encode_prompt
-    from mtad.models.pair import PairError
+    from mtad.models.errors import PairError
     from mtad.prompts import PromptFileError, read_prompts
 
     args = parser().parse_args(argv)

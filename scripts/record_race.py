@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from mtad.decoding import encode_prompt  # noqa: E402
-from mtad.models.pair import presets  # noqa: E402
+from mtad.models.presets import presets  # noqa: E402
 from mtad.ui.inputs import DEFAULTS, example_prompts  # noqa: E402
 from mtad.ui.race import RACE_FILE, curves_of  # noqa: E402
 from mtad.ui.record import LaneRecord, RunRecord  # noqa: E402

@@ -822,7 +822,7 @@ def test_a_row_carries_its_energy_source_and_every_distinct_note():
 
 
 def test_the_pages_examples_read_spec_bench_turns(tmp_path):
-    from mtad.models.pair import Preset
+    from mtad.models.presets import Preset
     from mtad.ui.inputs import example_prompts
 
     f = tmp_path / "question.jsonl"

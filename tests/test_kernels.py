@@ -11,8 +11,9 @@ from torch.nn import functional as F
 
 from mtad.decoding import generate
 from mtad.models.cpu_linear import StationaryLinear
+from mtad.models.errors import PairError
 from mtad.models.kernels import OneDNNLinear, candidates, choose, probe, product, use_linear_kernel
-from mtad.models.pair import PairError, load
+from mtad.models.pair import load
 from mtad.settings import Settings
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs PyTorch built with oneDNN")

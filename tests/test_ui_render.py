@@ -11,7 +11,7 @@ import pytest
 from mtad.decoding import mtad_accept_length
 from mtad.events import Step
 from mtad.metrics import summarize
-from mtad.models.pair import Preset
+from mtad.models.presets import Preset
 from mtad.ui import cards, figures, tokens, verify
 from mtad.ui.inputs import example_prompts, parse_settings
 from mtad.ui.record import LaneEnergy, LaneRecord, RunRecord
@@ -420,7 +420,7 @@ def test_examples_are_distinct_and_a_pair_change_keeps_a_typed_prompt(two_preset
 def test_presets_that_cannot_run_here_are_marked_or_hidden(two_presets, monkeypatch):
     import torch
 
-    from mtad.models.pair import presets
+    from mtad.models.presets import presets
     from mtad.ui import availability, handlers
 
     big = presets()["big"]
@@ -459,7 +459,7 @@ def test_pair_facts_are_read_from_the_loaded_models(tiny_pair):
 
 
 def test_no_preset_description_states_a_size_or_dtype_the_models_would_contradict():
-    from mtad.models.pair import presets
+    from mtad.models.presets import presets
 
     for name, p in presets().items():
         assert not re.search(r"\d+(\.\d+)?\s?[MBk]-parameter|bf16|bfloat16|float32|fp16", p.description), name

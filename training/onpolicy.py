@@ -254,7 +254,7 @@ def evaluate(draft: Any, heldout: list[dict], chunk: int = 8) -> dict[str, float
 
 def load_target() -> tuple[Any, Any]:
     """The smollm2 target as the pair runs it on this CPU (its best dtype and kernels), and its tokenizer."""
-    from mtad.models.pair import auto_dtype, use_cpu_kernels
+    from mtad.models.devices import auto_dtype, use_cpu_kernels
     from training.chat_draft import load_target as load
 
     target, tok = load(auto_dtype(torch.device("cpu")))

@@ -18,7 +18,7 @@ from mtad.cli import add_pair_args, add_sampling_args, load_pair_from_args, samp
 from mtad.decoding import encode_prompt
 from mtad.decoding.spec import method_names, registry
 from mtad.energy import EnergyMeter
-from mtad.models.pair import default_pair_name, presets
+from mtad.models.presets import default_pair_name, presets
 from mtad.prompts import Prompt, read_prompts
 from mtad.settings import Settings, uses_draft
 

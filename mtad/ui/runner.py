@@ -15,7 +15,9 @@ from collections.abc import Iterator
 import torch
 
 from mtad.decoding import decode
-from mtad.models.pair import ModelPair, PairError, load_pair, presets
+from mtad.models.errors import PairError
+from mtad.models.pair import ModelPair, load_pair
+from mtad.models.presets import presets
 from mtad.settings import Settings
 from mtad.ui.record import LaneEnergy, RunRecord
 
