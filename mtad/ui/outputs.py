@@ -63,6 +63,7 @@ def plots(lanes: list[LaneRecord]) -> tuple:
 
 
 def energy_note(lanes: list[LaneRecord]) -> str:
+    """Why no energy is plotted (no lane had a meter), or nothing when one was measured."""
     if any(lane.energy.available for lane in lanes):
         return ""
     reason = next((lane.energy.reason for lane in lanes if lane.energy.reason), "no GPU")

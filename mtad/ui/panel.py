@@ -78,8 +78,10 @@ def shift_iteration(record: RunRecord | None, method: str, iteration: float, del
 
 
 def previous_iteration(record: RunRecord | None, method: str, iteration: float) -> dict:
+    """◀ previous: one iteration back, never before the first."""
     return shift_iteration(record, method, iteration, -1)
 
 
 def next_iteration(record: RunRecord | None, method: str, iteration: float) -> dict:
+    """next ▶: one iteration on, never past the lane's last."""
     return shift_iteration(record, method, iteration, +1)

@@ -82,6 +82,7 @@ def on_pair_change(name: str, prompt: str | None) -> tuple[str, dict, dict]:
 
 
 def on_example(prompt: str | None) -> dict:
+    """An example picked: it becomes the prompt (nothing changes when the pick was cleared)."""
     return gr.update(value=prompt) if prompt else gr.skip()
 
 
@@ -152,11 +153,13 @@ def millions(n: int) -> str:
 
 
 def device_name(dev: torch.device) -> str:
+    """A run's device as its record names it: the GPU's model, or the CPU with its thread count."""
     if dev.type == "cuda":
         return f"{dev} ({torch.cuda.get_device_name(dev)})"
     return cpu_label()
 
 
 def cpu_label() -> str:
+    """The CPU with the torch threads it decodes on."""
     n = torch.get_num_threads()
     return f"CPU ({n} thread{'s' if n != 1 else ''})"

@@ -191,4 +191,5 @@ def race_after_run(record: RunRecord | None) -> str | dict:
 
 
 def toggle_ar(with_ar: bool) -> dict:
+    """The AR lane's box shows only while the AR baseline lane is asked for."""
     return gr.update(visible=bool(with_ar))
