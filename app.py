@@ -13,9 +13,9 @@ from pathlib import Path
 import gradio as gr
 
 from mtad.settings import PARAMS
-from mtad.ui import availability
-from mtad.ui import handlers as h
+from mtad.ui import availability, form, line, link, outputs, panel, pickers, replay
 from mtad.ui import race as race_view
+from mtad.ui import run as runs
 from mtad.ui.explain import EXPLAIN, INTRO
 from mtad.ui.inputs import (
     DEFAULTS,
@@ -24,8 +24,8 @@ from mtad.ui.inputs import (
     TEMPERATURE_RANGE,
     TOP_K_RANGE,
 )
+from mtad.ui.state import PAGE
 from mtad.ui.tokens import legend_html
-from mtad.ui.waiting import LINE
 
 CSS = (Path(__file__).resolve().parent / "assets" / "app.css").read_text()
 THEME = gr.themes.Soft(primary_hue="blue", neutral_hue="slate")
@@ -35,8 +35,8 @@ QUEUE_SIZE = int(os.environ.get("MTAD_QUEUE_SIZE", "16"))
 def build() -> gr.Blocks:
     """The page: inputs, two (or three) lanes, summary cards, plots, the verification panel."""
     availability.start_hub_probe()
-    default_pair = h.default_pair()
-    first_examples = h.pair_examples(default_pair)
+    default_pair = pickers.default_pair()
+    first_examples = pickers.pair_examples(default_pair)
     first_prompt = first_examples[0][1] if first_examples else ""
     private = {"queue": False, "api_visibility": "private"}
     with gr.Blocks(title="MTAD vs speculative decoding") as demo:
@@ -44,7 +44,7 @@ def build() -> gr.Blocks:
         wanted = gr.State(None)  # a link's lane and iteration, opened after the next run
         timer = gr.Timer(1.0, active=False)
         gr.Markdown(INTRO)
-        gr.Markdown(f"This server decodes on: **{h.server_device()}**", elem_classes="device-line")
+        gr.Markdown(f"This server decodes on: **{pickers.server_device()}**", elem_classes="device-line")
         with gr.Row():
             with gr.Column(scale=3):
                 prompt = gr.Textbox(
@@ -56,18 +56,18 @@ def build() -> gr.Blocks:
                 )
                 with gr.Row():
                     pair = gr.Dropdown(
-                        h.pair_choices(), value=default_pair, label="Model pair", scale=1, elem_id="pair"
+                        pickers.pair_choices(), value=default_pair, label="Model pair", scale=1, elem_id="pair"
                     )
                     examples = gr.Dropdown(first_examples, value=first_prompt or None, label="Example prompts", scale=2)
-                pair_info = gr.Markdown(h.pair_info(default_pair), elem_id="pair-info")
+                pair_info = gr.Markdown(pickers.pair_info(default_pair), elem_id="pair-info")
                 with gr.Row():
                     run_btn = gr.Button("Run", variant="primary", elem_id="run-btn")
                     stop_btn = gr.Button("Stop", variant="stop", elem_id="stop-btn")
                     replay_btn = gr.Button("Replay", elem_id="replay-btn")
-                message = gr.HTML(h.message_html(), label="message", elem_id="message")
+                message = gr.HTML(outputs.message_html(), label="message", elem_id="message")
                 with gr.Row():
-                    racers = h.racer_choices()
-                    first, second = h.DEFAULT_RACE
+                    racers = pickers.racer_choices()
+                    first, second = pickers.DEFAULT_RACE
                     left = gr.Dropdown(racers, value=first, label="Left lane", elem_id="left-method")
                     right = gr.Dropdown(racers, value=second, label="Right lane", elem_id="right-method")
                 with_ar = gr.Checkbox(
@@ -103,13 +103,13 @@ def build() -> gr.Blocks:
         reply = "reply only (hide the prompt and rejected drafts)"
         with gr.Row(equal_height=True):
             with gr.Column(min_width=300):
-                lane_1 = gr.HTML(h.lane_box(None, h.DEFAULT_RACE[0]), label="lane_1", elem_id="lane-left")
+                lane_1 = gr.HTML(outputs.lane_box(None, pickers.DEFAULT_RACE[0]), label="lane_1", elem_id="lane-left")
                 gr.Checkbox(False, label=reply, elem_id="reply-left", container=False)
             with gr.Column(min_width=300):
-                lane_2 = gr.HTML(h.lane_box(None, h.DEFAULT_RACE[1]), label="lane_2", elem_id="lane-right")
+                lane_2 = gr.HTML(outputs.lane_box(None, pickers.DEFAULT_RACE[1]), label="lane_2", elem_id="lane-right")
                 gr.Checkbox(False, label=reply, elem_id="reply-right", container=False)
         with gr.Column() as ar_box:
-            lane_ar = gr.HTML(h.lane_box(None, "ar"), label="lane_ar", elem_id="lane-ar")
+            lane_ar = gr.HTML(outputs.lane_box(None, "ar"), label="lane_ar", elem_id="lane-ar")
             gr.Checkbox(False, label=reply, elem_id="reply-ar", container=False)
         cards = gr.HTML(label="cards", elem_id="cards")
         with gr.Row():
@@ -119,7 +119,9 @@ def build() -> gr.Blocks:
         energy_note = gr.HTML(label="energy_note", elem_id="energy-note")
         gr.Markdown("## Verification panel\nPick an iteration of either lane; move τ to re-judge its recorded draft.")
         with gr.Row(elem_id="v-controls"):
-            v_lane = gr.Radio(h.lane_choices(), value=h.DEFAULT_RACE[-1], label="Lane", scale=1, elem_id="v-lane")
+            v_lane = gr.Radio(
+                panel.lane_choices(), value=pickers.DEFAULT_RACE[-1], label="Lane", scale=1, elem_id="v-lane"
+            )
             with gr.Column(scale=2, min_width=220):
                 v_iter = gr.Slider(1, 2, value=1, step=1, label="Iteration", elem_id="v-iter")
                 with gr.Row():
@@ -128,54 +130,69 @@ def build() -> gr.Blocks:
             v_tau = gr.Slider(0, 1, value=DEFAULTS.tau, step=0.01, label="τ to judge with", scale=2, elem_id="v-tau")
         v_link = gr.HTML(elem_id="v-link")
         with gr.Row(elem_id="v-row"):
-            v_html = gr.HTML(h.verify_view(None, h.DEFAULT_RACE[-1], 1, DEFAULTS.tau)[0], elem_id="v-panel")
+            v_html = gr.HTML(panel.verify_view(None, pickers.DEFAULT_RACE[-1], 1, DEFAULTS.tau)[0], elem_id="v-panel")
             v_plot = gr.Plot(label="Verification", elem_id="v-plot")
         gr.Markdown(EXPLAIN)
         with gr.Accordion("Run data (JSON: settings, metrics, every step)", open=False):
             run_json = gr.JSON(label="run_data")
 
-        link_inputs = [prompt, tau, beams, gamma, max_new, greedy, temperature, top_k, top_p, seed, with_ar]
-        link_inputs += [left, right, num_drafts, tau1, tau2]
-        demo.load(h.from_query, pair, [pair, *link_inputs, wanted, message], **private)
-        pair.change(h.on_pair_change, [pair, prompt], [pair_info, examples, prompt], **private)
-        examples.input(h.on_example, examples, prompt, **private)
-        with_ar.change(h.toggle_ar, with_ar, ar_box, **private)
+        run_form = form.widgets(  # the run's inputs by name: the page's Run, the /run API and a link's fields
+            prompt=prompt,
+            pair_name=pair,
+            tau=tau,
+            beams=beams,
+            gamma=gamma,
+            max_new_tokens=max_new,
+            greedy=greedy,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            with_ar=with_ar,
+            left=left,
+            right=right,
+            num_drafts=num_drafts,
+            tau1=tau1,
+            tau2=tau2,
+        )
+        demo.load(link.from_query, pair, [*run_form.values(), wanted, message], **private)
+        pair.change(pickers.on_pair_change, [pair, prompt], [pair_info, examples, prompt], **private)
+        examples.input(pickers.on_example, examples, prompt, **private)
+        with_ar.change(runs.toggle_ar, with_ar, ar_box, **private)
         waiting_outputs = [message, status, lane_1, lane_2, lane_ar, timer]
-        timer.tick(h.waiting_tick, [left, right], waiting_outputs, **private)
+        timer.tick(line.waiting_tick, [left, right], waiting_outputs, **private)
         for picker in (left, right):
-            picker.change(h.on_race_change, [record, left, right], [lane_1, lane_2], **private)
-        run_inputs = [prompt, pair, tau, beams, gamma, max_new, greedy, temperature, top_k, top_p, seed, with_ar]
-        run_inputs += [left, right, num_drafts, tau1, tau2]
+            picker.change(line.on_race_change, [record, left, right], [lane_1, lane_2], **private)
         lanes = [lane_1, lane_2, lane_ar]
         run_outputs = [message, status, *lanes, cards, tokens_plot, accept_plot, energy_plot, energy_note]
         run_outputs += [record, run_json]
         run_opts = dict(concurrency_limit=1, concurrency_id="device", show_progress="hidden")
         run_opts["preprocess"] = False  # the handler checks every value itself, naming the field; nothing clamped
-        go = run_btn.click(h.arm, [left, right], waiting_outputs, **private)
-        go = go.then(h.run_page, run_inputs, run_outputs, api_visibility="private", **run_opts)
+        go = run_btn.click(line.arm, [left, right], waiting_outputs, **private)
+        go = go.then(runs.run_page, None, run_outputs, inputs_kwargs=run_form, api_visibility="private", **run_opts)
         reset_outputs = [v_lane, v_iter, v_tau, v_html, v_plot, wanted]
-        shown = go.then(h.verify_reset, [record, v_lane, wanted], reset_outputs, **private)
-        shown.then(h.link_html, [record, v_lane, v_iter], v_link, **private)
-        go.then(h.race_after_run, record, race, **private)
-        stop_btn.click(h.stop, [left, right], waiting_outputs, **private)
+        shown = go.then(panel.verify_reset, [record, v_lane, wanted], reset_outputs, **private)
+        shown.then(link.link_html, [record, v_lane, v_iter], v_link, **private)
+        go.then(runs.race_after_run, record, race, **private)
+        stop_btn.click(line.stop, [left, right], waiting_outputs, **private)
         replay_outputs = [message, status, *lanes, cards, tokens_plot, accept_plot]
-        replay_btn.click(h.replay_page, record, replay_outputs, api_visibility="private", show_progress="hidden")
+        replay_btn.click(replay.replay_page, record, replay_outputs, api_visibility="private", show_progress="hidden")
         # the public API: the same work, ending in an error (with the page's words) when refused
         api_run, api_replay = gr.Button(visible=False), gr.Button(visible=False)
-        api_run.click(h.run, run_inputs, run_outputs, api_name="run", **run_opts)
-        api_replay.click(h.replay, record, replay_outputs, api_name="replay", concurrency_limit=4)
+        api_run.click(runs.run, None, run_outputs, inputs_kwargs=run_form, api_name="run", **run_opts)
+        api_replay.click(replay.replay, record, replay_outputs, api_name="replay", concurrency_limit=4)
         # .input, not .change: verify_reset sets the lane, iteration and view itself after a run (a link's
         # iteration among them), and a .change here would race it back to iteration 1
-        v_lane.input(h.verify_lane, [record, v_lane, v_tau], [v_iter, v_html, v_plot], **private)
+        v_lane.input(panel.verify_lane, [record, v_lane, v_tau], [v_iter, v_html, v_plot], **private)
         for widget in (v_iter, v_tau):
-            widget.change(h.verify_view, [record, v_lane, v_iter, v_tau], [v_html, v_plot], **private)
+            widget.change(panel.verify_view, [record, v_lane, v_iter, v_tau], [v_html, v_plot], **private)
         for widget in (v_lane, v_iter):
-            widget.change(h.link_html, [record, v_lane, v_iter], v_link, **private)
-        v_prev.click(h.previous_iteration, [record, v_lane, v_iter], v_iter, **private)
-        v_next.click(h.next_iteration, [record, v_lane, v_iter], v_iter, **private)
-        demo.unload(h.unload)
+            widget.change(link.link_html, [record, v_lane, v_iter], v_link, **private)
+        v_prev.click(panel.previous_iteration, [record, v_lane, v_iter], v_iter, **private)
+        v_next.click(panel.next_iteration, [record, v_lane, v_iter], v_iter, **private)
+        demo.unload(line.unload)
     demo.queue(max_size=QUEUE_SIZE, default_concurrency_limit=1)
-    LINE.attach(demo)
+    PAGE.line.attach(demo)
     return demo
 
 

@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-from mtad.bench_report import text_table
+from mtad.bench.report import text_table
 from mtad.cli import add_pair_args, load_pair_from_args
-from mtad.pair import ModelPair
+from mtad.models.pair import ModelPair
 from mtad.sampling import log_probs, probs
 from mtad.settings import Settings
 
@@ -177,7 +177,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from mtad.decoding import encode_prompt
-    from mtad.pair import PairError
+    from mtad.models.errors import PairError
     from mtad.prompts import PromptFileError, read_prompts
 
     args = parser().parse_args(argv)

@@ -62,7 +62,9 @@ def load_pair_from_args(args: argparse.Namespace):  # noqa: ANN201
     """The pair the flags name: --draft/--target together, else --pair, else the default preset."""
     from transformers.utils import logging as hf_logging
 
-    from mtad.pair import PairError, default_pair_name, load, load_pair
+    from mtad.models.errors import PairError
+    from mtad.models.pair import load, load_pair
+    from mtad.models.presets import default_pair_name
 
     hf_logging.disable_progress_bar()  # per-shard bars are noise on a terminal that wants the text
 

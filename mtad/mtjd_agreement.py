@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from mtad.decoding.mtjd import cut_at_eos, target_beams
 from mtad.decoding.state import DecodeState, to_host
 from mtad.events import Step, json_safe
-from mtad.pair import ModelPair
+from mtad.models.pair import ModelPair
 from mtad.sampling import pick
 from mtad.settings import Settings
 
@@ -162,7 +162,7 @@ def parser() -> argparse.ArgumentParser:
 
 def report(rows: dict[str, list], total: Agreement) -> str:
     """The comparison as text: AR, MTAD and MTJD pooled, then MTAD's agreement with MTJD."""
-    from mtad.bench_report import fmt, text_table
+    from mtad.bench.report import fmt, text_table
     from mtad.metrics import pool
 
     header = ["method", "perplexity", "rep. 4-grams", "speed (tok/s)", "block eff.", "acceptance", "runs"]
@@ -198,8 +198,8 @@ def pct(v: float | None) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from mtad.bench import default_prompts, output_dir, parse_list
-    from mtad.bench_report import environment, git_commit
+    from mtad.bench.cli import default_prompts, output_dir, parse_list
+    from mtad.bench.report import environment, git_commit
     from mtad.cli import load_pair_from_args, sampling_settings
     from mtad.decoding import decode, encode_prompt
     from mtad.metrics import summarize

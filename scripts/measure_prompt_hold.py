@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mtad.decoding import decode  # noqa: E402
-from mtad.pair import load_pair  # noqa: E402
+from mtad.models.pair import load_pair  # noqa: E402
 from mtad.settings import Settings  # noqa: E402
 
 

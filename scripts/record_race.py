@@ -21,11 +21,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from mtad.decoding import encode_prompt  # noqa: E402
-from mtad.pair import presets  # noqa: E402
+from mtad.models.presets import presets  # noqa: E402
 from mtad.ui.inputs import DEFAULTS, example_prompts  # noqa: E402
 from mtad.ui.race import RACE_FILE, curves_of  # noqa: E402
 from mtad.ui.record import LaneRecord, RunRecord  # noqa: E402
-from mtad.ui.runner import PAIRS, run_lanes  # noqa: E402
+from mtad.ui.runner import run_lanes  # noqa: E402
+from mtad.ui.state import PAGE  # noqa: E402
 
 
 def cpu_name() -> str:
@@ -44,7 +45,7 @@ def main() -> None:
     parser.add_argument("--pair", default="smollm2")
     parser.add_argument("--out", type=Path, default=RACE_FILE)
     args = parser.parse_args()
-    pair = PAIRS.get(args.pair)
+    pair = PAGE.pairs.get(args.pair)
     prompt = example_prompts(presets()[args.pair])[0][1]
     settings = DEFAULTS
     ids = encode_prompt(pair, prompt, settings)

@@ -13,7 +13,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from mtad.decoding import generate
 from mtad.events import Run
-from mtad.pair import ModelPair, load, presets
+from mtad.models.pair import ModelPair, load
+from mtad.models.presets import presets
 from mtad.settings import Settings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

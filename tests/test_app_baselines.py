@@ -14,8 +14,10 @@ import pytest
 from mtad.decoding import decode, encode_prompt
 from mtad.metrics import summarize
 from mtad.settings import Settings
-from mtad.ui import handlers, verify
+from mtad.ui import panel, pickers, verify
+from mtad.ui import run as runs
 from mtad.ui.record import LaneRecord, RunRecord
+from mtad.ui.state import PAGE
 
 BASE = dict(
     prompt="abc def abc",
@@ -47,8 +49,8 @@ def run_page(**changes: object) -> tuple:
     """The run handler's last output tuple for these widget values, in the page's input order."""
     values = {**BASE, **RACE, **changes}
     request = SimpleNamespace(session_hash="baselines-test")
-    handlers.CANCELS.arm("baselines-test")
-    *_, last = handlers.run(*values.values(), request)
+    PAGE.cancels.arm("baselines-test")
+    *_, last = runs.run(*values.values(), request)
     return last
 
 
@@ -59,14 +61,14 @@ def test_default_race_is_sd_vs_mtad(tiny_presets) -> None:  # noqa: ANN001
 
 
 def test_visitor_picks_the_two_racing_decoders(tiny_presets) -> None:  # noqa: ANN001
-    from mtad.ui.runner import PAIRS
+    from mtad.ui.state import PAGE
 
     final = run_page(left="spectr", right="bild", num_drafts=3, tau1=0.2, with_ar=True)
     data = final[-1]
     assert list(data["lanes"]) == ["spectr", "bild", "ar"]
     assert 'data-method="spectr"' in final[2] and 'data-method="bild"' in final[3] and 'data-method="ar"' in final[4]
     settings = Settings(tau=0.1, beams=4, gamma=3, max_new_tokens=12, seed=7, num_drafts=3, tau1=0.2)
-    pair = PAIRS.get("tiny")
+    pair = PAGE.pairs.get("tiny")
     ids = encode_prompt(pair, BASE["prompt"], settings)
     for method, lane in data["lanes"].items():
         fresh = list(decode(pair, ids, settings.with_(method=method)))
@@ -92,11 +94,11 @@ def test_bad_racer_settings_are_messages(tiny_presets, changes: dict, message: s
 
 
 def test_pick_racers_messages() -> None:
-    assert handlers.pick_racers("spectr", "mtad-tree") == ["spectr", "mtad-tree"]
+    assert pickers.pick_racers("spectr", "mtad-tree") == ["spectr", "mtad-tree"]
     with pytest.raises(ValueError, match="the left lane must be one of"):
-        handlers.pick_racers("ar", "mtad")
+        pickers.pick_racers("ar", "mtad")
     with pytest.raises(ValueError, match="both lanes are SpecInfer"):
-        handlers.pick_racers("specinfer", "specinfer")
+        pickers.pick_racers("specinfer", "specinfer")
 
 
 @pytest.mark.parametrize("method", ["specinfer", "mtad-tree"])
@@ -113,4 +115,4 @@ def test_verify_panel_shows_every_candidate(tiny_pair, method: str) -> None:  # 
         assert f"<td>{kept} of {len(step.candidates[c])}</td>" in html
     record = RunRecord(pair="tiny", device="cpu", prompt="abc de", settings=settings.to_dict(), lanes={method: lane})
     record.lanes["sd"] = LaneRecord(method="sd", prompt_ids=ids)
-    assert handlers.lane_choices(record) == [(lane.label, method), ("Speculative decoding", "sd")]
+    assert panel.lane_choices(record) == [(lane.label, method), ("Speculative decoding", "sd")]

@@ -251,9 +251,10 @@ def test_dark_mode_screenshot(browser, server):
 def stop_recorder(monkeypatch):
     """Record when Stop sets a session's flag and when the (endless) decoder yields each step."""
     from mtad.ui import runner
+    from mtad.ui.state import PAGE
 
     times: dict[str, list[float]] = {"stop": [], "steps": []}
-    real_stop = runner.CANCELS.stop
+    real_stop = PAGE.cancels.stop
 
     def stop(session):
         times["stop"].append(time.perf_counter())
@@ -264,7 +265,7 @@ def stop_recorder(monkeypatch):
             times["steps"].append(time.perf_counter())
             yield step
 
-    monkeypatch.setattr(runner.CANCELS, "stop", stop)
+    monkeypatch.setattr(PAGE.cancels, "stop", stop)
     monkeypatch.setattr(runner, "decode", decode)
     return times
 

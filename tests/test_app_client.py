@@ -125,7 +125,7 @@ def steps_from_json(items: list[dict]) -> list[Step]:
 
 
 def test_run_streams_both_lanes_and_summaries_match_metrics(client):
-    from mtad.ui.runner import PAIRS
+    from mtad.ui.state import PAGE
 
     job = client.submit(*args(), api_name="/run")
     outputs = list(job)
@@ -139,7 +139,7 @@ def test_run_streams_both_lanes_and_summaries_match_metrics(client):
     data = final[-1]
     assert set(data["lanes"]) == {"sd", "mtad"}
     settings = Settings(tau=0.1, beams=4, gamma=3, max_new_tokens=24, seed=7)
-    pair = PAIRS.get(PAIR)  # the app's own pair (same device, same generator as the run)
+    pair = PAGE.pairs.get(PAIR)  # the app's own pair (same device, same generator as the run)
     ids = encode_prompt(pair, BASE["prompt"], settings)
     for method, lane in data["lanes"].items():
         assert lane["state"] == "done"
@@ -222,10 +222,10 @@ def test_refusal_stays_on_the_page_in_the_message_area(client):
 
 
 def test_a_prompt_over_the_operator_s_cap_is_refused_by_name(client, monkeypatch):
-    from mtad.ui.runner import PAIRS
+    from mtad.ui.state import PAGE
 
     prompt = "abc def " * 20
-    n = len(encode_prompt(PAIRS.get(PAIR), prompt, Settings()))  # counted independently of the app
+    n = len(encode_prompt(PAGE.pairs.get(PAIR), prompt, Settings()))  # counted independently of the app
     monkeypatch.setenv("MTAD_MAX_PROMPT_TOKENS", str(n - 1))
     with pytest.raises(gradio_client.exceptions.AppError) as err:
         client.predict(*args(prompt=prompt), api_name="/run")

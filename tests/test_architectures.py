@@ -12,7 +12,7 @@ from transformers import OPTConfig, OPTForCausalLM, Qwen2Config, Qwen2ForCausalL
 from mtad.decoding import generate
 from mtad.decoding.mtad import mtad_step
 from mtad.decoding.state import DecodeState
-from mtad.pair import load
+from mtad.models.pair import load
 from mtad.settings import Settings
 
 

@@ -8,7 +8,7 @@ import math
 import pytest
 
 import mtad.audit as audit
-import mtad.bench as bench
+import mtad.bench.cli as bench
 from mtad.audit import Calibration, score_run
 from mtad.decoding import DECODERS, generate
 from mtad.settings import Settings

@@ -16,7 +16,7 @@ from mtad.decoding import DECODERS, decode, generate, specinfer, spectr
 from mtad.decoding.bild import bild_rollback
 from mtad.decoding.multidraft import kept_lengths
 from mtad.decoding.state import DecodeState
-from mtad.pair import load
+from mtad.models.pair import load
 from mtad.sampling import log_probs
 from mtad.settings import Settings
 

@@ -9,7 +9,7 @@ from test_sd_distribution import ALPHA, gof_pvalue
 
 from mtad.decoding.beams import beam_draft
 from mtad.decoding.state import DecodeState
-from mtad.pair import ModelPair
+from mtad.models.pair import ModelPair
 from mtad.sampling import log_probs
 from mtad.settings import Settings
 

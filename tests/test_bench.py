@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import mtad.bench as bench
-import mtad.bench_report as bench_report
-import mtad.bench_run as bench_run
-from mtad.bench_aggregate import mean_std
-from mtad.bench_run import Case
+import mtad.bench.cli as bench
+import mtad.bench.report as bench_report
+import mtad.bench.run as bench_run
+from mtad.bench.aggregate import mean_std
+from mtad.bench.run import Case
 from mtad.decoding import decode, generate, hf_assisted
 from mtad.energy import EnergyReading
 from mtad.events import json_safe
@@ -313,7 +313,7 @@ def test_hf_assisted_bridges_a_padded_vocabulary(tiny_dirs, tmp_path):
     transformers would take that for two tokenizers; the bench bridges it, and greedy stays exactly AR."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from mtad.pair import load
+    from mtad.models.pair import load
 
     wide = AutoModelForCausalLM.from_pretrained(tiny_dirs[1])
     wide.resize_token_embeddings(wide.config.vocab_size + 8, mean_resizing=False)
@@ -429,7 +429,7 @@ def test_cli_entry_point_runs_in_a_subprocess(tiny_dirs, prompts_file, tmp_path)
 
 
 def test_sweep_figures_put_speed_and_perplexity_on_two_axes(sweep_run):
-    from mtad.bench_plots import sweep_figure
+    from mtad.bench.plots import sweep_figure
 
     aggs = sweep_run["data"]["aggregates"]
     fig = sweep_figure(aggs, "tau")
@@ -494,7 +494,7 @@ def test_hf_assisted_ignores_the_models_generation_config(tiny_dirs, tmp_path):
     with the model's own config does decode something else, so the test can fail."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from mtad.pair import load
+    from mtad.models.pair import load
 
     prompt = "abc de fgh"
     plain = load(*tiny_dirs, device="cpu")
@@ -666,7 +666,7 @@ def _record(case: str, index: int, nll: float = 1.0, tokens: int = 2, **extra) -
 
 
 def test_common_prompts_leave_out_a_prompt_one_row_did_not_finish():
-    from mtad.bench_aggregate import aggregate
+    from mtad.bench.aggregate import aggregate
 
     records = [_record("a", 0, 1.0, 2), _record("a", 1, 8.0, 2), _record("b", 0, 3.0, 3)]
     rows = {r["case"]: r for r in aggregate(records)}
@@ -680,7 +680,7 @@ def test_the_table_prints_each_figure_to_its_digits():
     """The printed table, cell by cell: 0 decimals from 1000 up, 1 from 10, 2 from 0.1 (and for 0), else 3
     (chosen before rounding: 999.96 prints 1000.0); n/a for a figure not measured; ``-`` for a setting a
     method has no use for; the time split to the millisecond; failures, budget stops and the energy note."""
-    from mtad.bench_report import render_table
+    from mtad.bench.report import render_table
 
     def row(**kw) -> dict:
         base = dict.fromkeys(("gamma", "beams", "tau", "draft_mode", "joules_per_token", "perplexity_common"))
@@ -739,7 +739,7 @@ def test_the_table_prints_each_figure_to_its_digits():
 
 
 def test_a_table_with_no_rows_still_prints_its_header_and_legend():
-    from mtad.bench_report import render_table
+    from mtad.bench.report import render_table
 
     lines = render_table([]).splitlines()
     assert lines[0].startswith("method  γ  W  τ") and set(lines[1]) == {"-", " "}
@@ -747,7 +747,7 @@ def test_a_table_with_no_rows_still_prints_its_header_and_legend():
 
 
 def test_csv_columns_are_the_union_of_the_rows_keys_in_first_seen_order(tmp_path):
-    from mtad.bench_report import write_csv
+    from mtad.bench.report import write_csv
 
     path = tmp_path / "rows.csv"
     write_csv(path, [{"a": 1, "b": None}, {"b": [1, 2], "c": {"k": "v"}, "a": 2.5}])
@@ -759,7 +759,7 @@ def test_the_environment_names_the_run_as_it_ran(tiny_pair):
 
     import transformers
 
-    from mtad.bench_report import environment
+    from mtad.bench.report import environment
 
     env = environment(tiny_pair, ["--pair", "a b", "--seeds", "0"], "no GPU", "rapl-counter", "abc123")
     assert env["command"] == "python -m mtad.bench --pair 'a b' --seeds 0"
@@ -786,7 +786,7 @@ def test_the_environment_names_the_run_as_it_ran(tiny_pair):
 
 
 def test_the_environment_names_emulated_instruction_sets(tiny_pair, monkeypatch):
-    from mtad.bench_report import environment
+    from mtad.bench.report import environment
 
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     env = environment(tiny_pair, [], None, "none", None)
@@ -796,7 +796,7 @@ def test_the_environment_names_emulated_instruction_sets(tiny_pair, monkeypatch)
 
 
 def test_a_prompt_is_finished_only_when_every_seed_of_every_case_ran():
-    from mtad.bench_aggregate import aggregate, finished_prompts
+    from mtad.bench.aggregate import aggregate, finished_prompts
 
     records = [_record("a", 0), _record("a", 0), _record("a", 1), _record("b", 0), _record("b", 0), _record("b", 1)]
     assert finished_prompts(records, runs_per_prompt=2) == {0}  # prompt 1 ran one seed of two
@@ -808,7 +808,7 @@ def test_a_prompt_is_finished_only_when_every_seed_of_every_case_ran():
 
 
 def test_a_row_carries_its_energy_source_and_every_distinct_note():
-    from mtad.bench_aggregate import aggregate
+    from mtad.bench.aggregate import aggregate
 
     records = [_record("a", 0, energy_note="sub-second run"), _record("a", 1, energy_note="counter wrapped"),
                _record("a", 2, energy_note="sub-second run"), _record("b", 0)]  # fmt: skip
@@ -822,7 +822,7 @@ def test_a_row_carries_its_energy_source_and_every_distinct_note():
 
 
 def test_the_pages_examples_read_spec_bench_turns(tmp_path):
-    from mtad.pair import Preset
+    from mtad.models.presets import Preset
     from mtad.ui.inputs import example_prompts
 
     f = tmp_path / "question.jsonl"
@@ -1016,8 +1016,8 @@ def test_run_bench_by_default_shows_progress_and_keeps_no_steps(tiny_pair, capsy
 
 
 def test_a_row_pools_its_runs_acceptance_curve_and_the_table_prints_it():
-    from mtad.bench_aggregate import aggregate
-    from mtad.bench_report import render_table
+    from mtad.bench.aggregate import aggregate
+    from mtad.bench.report import render_table
 
     records = [
         _record("sd", 0, position_reached=[4, 2], position_kept=[2, 1]),

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from mtad import bench_plots
-from mtad.bench_plots import save_sweep_figures, sweep_figure, sweep_series, swept_values
+import mtad.bench.plots as bench_plots
+from mtad.bench.plots import save_sweep_figures, sweep_figure, sweep_series, swept_values
 
 
 def row(method, gamma=None, beams=None, tau=None, speed=10.0, ppl=3.0, speed_std=None, ppl_std=None):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from mtad.cpu_attention import NAME, use_cpu_gqa_attention
-from mtad.pair import load
+from mtad.models.cpu_attention import NAME, use_cpu_gqa_attention
+from mtad.models.pair import load
 
 
 def _gqa_llama() -> LlamaForCausalLM:

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from mtad.cpu_linear import StationaryLinear, stationary_linear, use_stationary_linears
-from mtad.pair import load
+from mtad.models.cpu_linear import StationaryLinear, stationary_linear, use_stationary_linears
+from mtad.models.pair import load
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 64), (1, 5, 64), (8, 1, 64), (3, 64), (2, 9, 64)])

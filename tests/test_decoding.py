@@ -14,7 +14,7 @@ from mtad.decoding.mtad import mtad_step
 from mtad.decoding.rules import mtad_accept_length
 from mtad.decoding.speculative import sd_step
 from mtad.decoding.state import CachedLM, DecodeState, to_host
-from mtad.pair import ModelPair
+from mtad.models.pair import ModelPair
 from mtad.settings import WITHOUT_DRAFT, Settings
 
 PROMPT = "abc def gh"

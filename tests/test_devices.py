@@ -1,4 +1,4 @@
-"""Device, dtype and device-map choices (mtad/pair.py) on this CPU-only machine: CUDA counts and compute
+"""Device, dtype and device-map choices (mtad/models/devices.py) on this CPU-only machine: CUDA counts and compute
 capabilities are faked where the code asks torch for them; the models are real and tiny."""
 
 from __future__ import annotations
@@ -9,21 +9,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import mtad.pair as pair_mod
+import mtad.models.devices as devices_mod
+import mtad.models.pair as pair_mod
 from mtad.cli import main
 from mtad.decoding import generate
 from mtad.decoding.state import CachedLM
-from mtad.pair import (
-    PairError,
-    auto_dtype,
-    cpu_has_native_bf16,
-    load,
-    load_pair,
-    presets,
-    resolve_device,
-    resolve_device_map,
-    resolve_dtype,
-)
+from mtad.models.devices import auto_dtype, cpu_has_native_bf16, resolve_device, resolve_device_map, resolve_dtype
+from mtad.models.errors import PairError
+from mtad.models.pair import load, load_pair
+from mtad.models.presets import presets
 from mtad.settings import Settings
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -191,7 +185,7 @@ def test_device_map_auto_splits_the_target_and_puts_the_draft_on_its_first_devic
     assert target_call["source"] == tiny_dirs[1] and target_call["device_map"] == "auto"
     main = torch.device("cuda", 0) if torch.cuda.is_available() else CPU
     assert draft_call["source"] == tiny_dirs[0] and draft_call["device_map"] == pair.device == main
-    assert pair_mod.first_device(pair.target) == main and next(pair.draft.parameters()).device == main
+    assert devices_mod.first_device(pair.target) == main and next(pair.draft.parameters()).device == main
     for method in ("ar", "sd", "mtad"):  # the split pair decodes exactly as the one-device pair
         greedy = Settings(method=method, greedy=True, max_new_tokens=12)
         assert _tokens(pair, greedy) == _tokens(tiny_pair, greedy)
@@ -208,7 +202,7 @@ def test_cuda_attention_is_kept_off_cudnn() -> None:
     before = torch.backends.cuda.cudnn_sdp_enabled()
     try:
         torch.backends.cuda.enable_cudnn_sdp(True)
-        pair_mod.use_cuda_kernels()
+        devices_mod.use_cuda_kernels()
         assert not torch.backends.cuda.cudnn_sdp_enabled()
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)
@@ -238,10 +232,10 @@ def test_device_map_from_the_operator_and_the_cli(monkeypatch: pytest.MonkeyPatc
 
 def test_first_device_is_accelerates_main_device() -> None:
     one = types.SimpleNamespace(get_input_embeddings=lambda: torch.nn.Embedding(4, 2))
-    assert pair_mod.first_device(one) == CPU
+    assert devices_mod.first_device(one) == CPU
     split = {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": 1, "lm_head": 1}
-    assert pair_mod.first_device(types.SimpleNamespace(hf_device_map=split)) == torch.device("cuda:0")
+    assert devices_mod.first_device(types.SimpleNamespace(hf_device_map=split)) == torch.device("cuda:0")
     offloaded = {"model.embed_tokens": "cpu", "model.layers.0": 1, "lm_head": "disk"}
-    assert pair_mod.first_device(types.SimpleNamespace(hf_device_map=offloaded)) == torch.device("cuda:1")
+    assert devices_mod.first_device(types.SimpleNamespace(hf_device_map=offloaded)) == torch.device("cuda:1")
     on_cpu = {"model.embed_tokens": "cpu", "lm_head": "disk"}
-    assert pair_mod.first_device(types.SimpleNamespace(hf_device_map=on_cpu)) == CPU
+    assert devices_mod.first_device(types.SimpleNamespace(hf_device_map=on_cpu)) == CPU

@@ -14,8 +14,8 @@ from conftest import full_logits
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mtad.decoding import generate
-from mtad.gguf_cache import cached_dir, materialize
-from mtad.pair import ModelPair, load
+from mtad.models.gguf_cache import cached_dir, materialize
+from mtad.models.pair import ModelPair, load
 from mtad.settings import Settings
 
 gguf = pytest.importorskip("gguf", reason="needs the gguf package (pip install gguf)")

@@ -9,10 +9,11 @@ from conftest import full_logits
 from torch import nn
 from torch.nn import functional as F
 
-from mtad.cpu_linear import StationaryLinear
 from mtad.decoding import generate
-from mtad.kernels import OneDNNLinear, candidates, choose, probe, product, use_linear_kernel
-from mtad.pair import PairError, load
+from mtad.models.cpu_linear import StationaryLinear
+from mtad.models.errors import PairError
+from mtad.models.kernels import OneDNNLinear, candidates, choose, probe, product, use_linear_kernel
+from mtad.models.pair import load
 from mtad.settings import Settings
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs PyTorch built with oneDNN")
@@ -117,7 +118,7 @@ def test_a_pair_on_onednn_keeps_its_logits(tiny_dirs, monkeypatch: pytest.Monkey
 def test_greedy_speculative_equals_greedy_ar_on_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
     """On the embedded pair (trained, so drafts are accepted) with prepacked fp32 weights, the exact
     decoders in greedy mode (SD, SpecInfer) give greedy AR's tokens, and drafts were accepted."""
-    from mtad.pair import load_pair
+    from mtad.models.pair import load_pair
 
     monkeypatch.setenv("MTAD_CPU_LINEAR", "onednn")
     pair = load_pair("embedded", device="cpu", dtype="float32")
@@ -148,7 +149,7 @@ def test_a_prepacked_layer_survives_a_deep_copy_and_a_dtype_change() -> None:
 
 
 def test_the_report_times_every_kernel_and_names_the_choice(capsys: pytest.CaptureFixture[str]) -> None:
-    from mtad.kernels import main
+    from mtad.models.kernels import main
 
     assert main(["--pair", "embedded", "--dtype", "float32"]) == 0
     out = capsys.readouterr().out.splitlines()

@@ -15,12 +15,13 @@ from types import SimpleNamespace
 import gradio as gr
 import pytest
 
-import mtad.bench as bench
+import mtad.bench.cli as bench
 from mtad import cli
 from mtad.decoding import DECODERS, decode, encode_prompt, spec
 from mtad.decoding.spec import PANELS, MethodSpec, register, registry, unregister
 from mtad.settings import PARAMS, Settings, uses_draft
-from mtad.ui import handlers
+from mtad.ui import outputs, pickers, state
+from mtad.ui import run as runs
 from mtad.ui.figures import COLOURS
 from mtad.ui.record import LABELS
 
@@ -166,32 +167,32 @@ def test_the_bench_runs_it_in_its_own_rows(toy: MethodSpec, tiny_dirs, tmp_path)
 
 
 def test_the_page_races_it(toy: MethodSpec, tiny_presets) -> None:  # noqa: ANN001
-    assert ("Toy SD (test)", TOY) in handlers.racer_choices()
-    assert TOY in handlers.RACERS and LABELS[TOY] == "Toy SD (test)" and COLOURS[TOY] == "#123456"
-    handlers.CANCELS.arm("toy-test")
-    *_, last = handlers.run(*PAGE.values(), SimpleNamespace(session_hash="toy-test"))
+    assert ("Toy SD (test)", TOY) in pickers.racer_choices()
+    assert TOY in pickers.RACERS and LABELS[TOY] == "Toy SD (test)" and COLOURS[TOY] == "#123456"
+    state.PAGE.cancels.arm("toy-test")
+    *_, last = runs.run(*PAGE.values(), SimpleNamespace(session_hash="toy-test"))
     data = last[-1]
     assert list(data["lanes"]) == [TOY, "mtad"] and data["lanes"][TOY]["label"] == "Toy SD (test)"
     assert 'data-method="toy-sd"' in last[2] and "γ = 3" in last[2]
-    assert handlers.lane_note(TOY, {"gamma": 3}) == "γ = 3"
+    assert outputs.lane_note(TOY, {"gamma": 3}) == "γ = 3"
     # its lane holds SD's tokens for the same settings (the page ran the registered step, nothing else)
-    pair = handlers.PAIRS.get("tiny")
+    pair = state.PAGE.pairs.get("tiny")
     s = Settings(method="sd", gamma=3, beams=3, max_new_tokens=10, seed=7)
     ids = encode_prompt(pair, PAGE["prompt"], s)
     assert data["lanes"][TOY]["new_ids"] == [t for st in decode(pair, ids, s) for t in st.appended_ids]
     # the page's γ box allows 4; the toy's spec does not, and the run is refused by that spec's words
     with pytest.raises(gr.Error, match="toy draft length must be an integer from 1 to 3; got 4"):
-        handlers.CANCELS.arm("toy-test")
-        list(handlers.run(*{**PAGE, "gamma": 4}.values(), SimpleNamespace(session_hash="toy-test")))
+        state.PAGE.cancels.arm("toy-test")
+        list(runs.run(*{**PAGE, "gamma": 4}.values(), SimpleNamespace(session_hash="toy-test")))
 
 
 def test_unregistered_it_is_gone_everywhere(tmp_path: Path) -> None:
     name = "toy-gone"
     step = registry()["sd"].step
     register(MethodSpec(name=name, label="Gone", short="Gone", colour="#000000", step=step))
-    assert name in method_choices() and name in handlers.RACERS
+    assert name in method_choices() and name in pickers.RACERS
     unregister(name)
-    assert name not in method_choices() and name not in handlers.RACERS and name not in LABELS
+    assert name not in method_choices() and name not in pickers.RACERS and name not in LABELS
     with pytest.raises(ValueError, match="method must be one of"):
         Settings(method=name).validate()
 
@@ -201,7 +202,7 @@ def test_every_consumer_reads_the_registry() -> None:
     assert names == ("ar", "sd", "mtad", "mtad-tree", "bild", "spectr", "specinfer", "hf-assisted", "mtjd")
     assert tuple(method_choices()) == names
     assert bench.parser().get_default("methods") == ",".join(names)
-    assert set(handlers.RACERS) == {"sd", "mtad", "mtad-tree", "bild", "spectr", "specinfer", "mtjd"}
+    assert set(pickers.RACERS) == {"sd", "mtad", "mtad-tree", "bild", "spectr", "specinfer", "mtjd"}
     assert dict(LABELS) == {n: s.label for n, s in registry().items()} and set(COLOURS) == set(names)
     for name, s in registry().items():
         assert s.name == name and s.panel in PANELS and re.fullmatch(r"#[0-9a-f]{6}", s.colour)

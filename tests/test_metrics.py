@@ -12,7 +12,7 @@ import torch
 from mtad.decoding import generate
 from mtad.events import Step
 from mtad.metrics import Metrics, perplexity, summarize
-from mtad.pair import ModelPair
+from mtad.models.pair import ModelPair
 from mtad.settings import Settings
 
 

@@ -18,8 +18,8 @@ from mtad.decoding import DECODERS, decode, generate
 from mtad.decoding.mtjd import mtjd_step
 from mtad.decoding.state import DecodeState
 from mtad.events import Step
+from mtad.models.pair import ModelPair, load_pair
 from mtad.mtjd_agreement import Agreement, agreement, common_prefix, mtjd_choices, run_agreement
-from mtad.pair import ModelPair, load_pair
 from mtad.sampling import log_probs
 from mtad.settings import Settings
 

@@ -13,8 +13,10 @@ from test_verify_panel import Tables, texts
 from mtad.decoding import decode, encode_prompt
 from mtad.metrics import summarize
 from mtad.settings import Settings
-from mtad.ui import figures, handlers, verify
+from mtad.ui import figures, outputs, panel, pickers, verify
+from mtad.ui import run as runs
 from mtad.ui.record import LABELS, LaneRecord, RunRecord
+from mtad.ui.state import PAGE
 from mtad.ui.verify_mtjd import KEPT, OTHER
 
 VALUES = dict(
@@ -49,8 +51,8 @@ def tiny_presets(tiny_dirs: tuple[str, str], tmp_path_factory: pytest.TempPathFa
 
 def run_page(**changes: object) -> tuple:
     values = {**VALUES, **changes}
-    handlers.CANCELS.arm("mtjd-test")
-    *_, last = handlers.run(*values.values(), SimpleNamespace(session_hash="mtjd-test"))
+    PAGE.cancels.arm("mtjd-test")
+    *_, last = runs.run(*values.values(), SimpleNamespace(session_hash="mtjd-test"))
     return last
 
 
@@ -64,22 +66,22 @@ def mtjd_lane(tiny_pair, **changes: object) -> LaneRecord:  # noqa: ANN001
 
 
 def test_mtjd_is_a_lane_like_the_others(tiny_presets) -> None:  # noqa: ANN001
-    from mtad.ui.runner import PAIRS
+    from mtad.ui.state import PAGE
 
-    assert "mtjd" in handlers.RACERS and LABELS["mtjd"] == "MTJD (reference, slow)"
+    assert "mtjd" in pickers.RACERS and LABELS["mtjd"] == "MTJD (reference, slow)"
     final = run_page()
     data = final[-1]
     assert list(data["lanes"]) == ["mtad", "mtjd", "ar"]
     assert 'data-method="mtjd"' in final[3] and "MTJD (reference, slow)" in final[3] and "K = 3, W = 3" in final[3]
     settings = Settings(beams=3, gamma=3, max_new_tokens=12, seed=7)
-    pair = PAIRS.get("tiny")
+    pair = PAGE.pairs.get("tiny")
     ids = encode_prompt(pair, VALUES["prompt"], settings)
     fresh = list(decode(pair, ids, settings.with_(method="mtjd")))
     lane = data["lanes"]["mtjd"]
     assert lane["new_ids"] == [t for s in fresh for t in s.appended_ids]
     assert lane["metrics"]["target_calls"] == summarize(fresh).target_calls > len(fresh)
     assert lane["metrics"]["acceptance"] is None and lane["label"] == "MTJD (reference, slow)"
-    choices = handlers.lane_choices(final[-2])
+    choices = panel.lane_choices(final[-2])
     assert ("MTJD (reference, slow)", "mtjd") in choices
 
 
@@ -121,6 +123,6 @@ def test_mtjd_draws_no_accepted_bars_and_its_tokens_say_where_they_came_from(tin
     assert figures.accepted_per_iteration([lane]).data == ()
     record = RunRecord(pair="tiny", device="cpu", prompt="abc de", settings={"gamma": 3, "beams": 3}, lanes={})
     record.lanes["mtjd"] = lane
-    html = handlers.lane_box(record, "mtjd")
+    html = outputs.lane_box(record, "mtjd")
     assert "best of 3 beams (MTJD)" in html and "tok-acc" not in html and "tok-rej" not in html
     assert not math.isnan(lane.metrics().perplexity)

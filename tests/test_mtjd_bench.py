@@ -7,10 +7,11 @@ import json
 import pytest
 from test_bench import pair_args, prompts_file  # noqa: F401  (a fixture)
 
-import mtad.bench as bench
-from mtad import bench_plots, mtjd_agreement
-from mtad.bench_plots import figure1, save_sweep_figures
-from mtad.bench_report import figure1_table, render_table
+import mtad.bench.cli as bench
+import mtad.bench.plots as bench_plots
+from mtad import mtjd_agreement
+from mtad.bench.plots import figure1, save_sweep_figures
+from mtad.bench.report import figure1_table, render_table
 from mtad.cli import main as cli_main
 
 

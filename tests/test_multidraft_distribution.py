@@ -8,7 +8,7 @@ import pytest
 from test_sd_distribution import ALPHA, exact_first_two, gof_pvalue, sampled_first_two
 
 from mtad.decoding import decode, specinfer, spectr
-from mtad.pair import ModelPair
+from mtad.models.pair import ModelPair
 from mtad.settings import Settings
 
 BASE = Settings(gamma=2, num_drafts=3, max_new_tokens=3, temperature=1.3, top_k=5, top_p=0.99)

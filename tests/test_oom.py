@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mtad.decoding.state import CachedLM
-from mtad.pair import PairError
+from mtad.models.errors import PairError
 from mtad.settings import Settings
 from mtad.ui import runner
 

@@ -9,7 +9,10 @@ import pytest
 import torch
 
 from mtad.cli import main
-from mtad.pair import PairError, load, load_pair, presets, resolve_device, resolve_dtype
+from mtad.models.devices import resolve_device, resolve_dtype
+from mtad.models.errors import PairError
+from mtad.models.pair import load, load_pair
+from mtad.models.presets import presets
 
 PAPER_PAIRS = {("facebook/opt-125m", "facebook/opt-13b"), ("JackFram/llama-68m", "meta-llama/Llama-2-13b-hf")}
 
@@ -77,12 +80,12 @@ def test_loads_with_chosen_dtype_and_never_remote_code(tiny_dirs: tuple[str, str
     assert pair.target.dtype == torch.bfloat16 and pair.draft.dtype == torch.bfloat16
     draft_params, target_params = pair.parameters()
     assert target_params > draft_params
-    source = (Path(__file__).parent.parent / "mtad" / "pair.py").read_text()
+    source = (Path(__file__).parent.parent / "mtad" / "models" / "pair.py").read_text()
     assert "trust_remote_code=True" not in source
 
 
 def test_cpu_threads_leave_a_core_free(monkeypatch: pytest.MonkeyPatch, tiny_dirs: tuple[str, str]) -> None:
-    from mtad.pair import configure_cpu_threads
+    from mtad.models.devices import configure_cpu_threads
 
     before = torch.get_num_threads()
     monkeypatch.delenv("MTAD_CPU_THREADS", raising=False)  # the default is under test, not a caller's choice

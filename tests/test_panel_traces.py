@@ -14,7 +14,7 @@ import math
 import pytest
 
 from mtad.decoding import decode
-from mtad.pair import load_pair
+from mtad.models.pair import load_pair
 from mtad.settings import Settings
 
 PROMPT = "def add(a, b):\n    "

@@ -18,7 +18,7 @@ import torch
 from scipy.stats import chisquare
 
 from mtad.decoding import decode, speculative
-from mtad.pair import ModelPair
+from mtad.models.pair import ModelPair
 from mtad.sampling import log_probs
 from mtad.settings import Settings
 

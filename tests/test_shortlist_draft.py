@@ -1,4 +1,4 @@
-"""The shortlist draft (mtad.shortlist_draft): a Llama whose head covers only some tokens, q = 0 elsewhere.
+"""The shortlist draft (mtad.models.shortlist_draft): a Llama whose head covers only some tokens, q = 0 elsewhere.
 
 It must load through the pair's own ``from_pretrained`` (no remote code), build exactly from a
 target's layers, keep KV-cached logits equal to a recompute, and leave every decoder exact: the
@@ -18,10 +18,10 @@ from torch.nn import functional as F
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from mtad.decoding import generate
-from mtad.pair import ModelPair, load
+from mtad.models.pair import ModelPair, load
+from mtad.models.shortlist_draft import Int8Linear, ShortlistForCausalLM
 from mtad.sampling import log_probs
 from mtad.settings import Settings
-from mtad.shortlist_draft import Int8Linear, ShortlistForCausalLM
 
 SD = Settings(method="sd", gamma=2, max_new_tokens=3, temperature=1.3, top_k=5, top_p=0.99)
 
@@ -236,7 +236,7 @@ def test_an_int8_draft_keeps_caches_and_greedy_exact(micro_int8_pair: ModelPair)
 def test_int8_layers_multiply_with_the_kernel_chosen_for_the_model(dtype: torch.dtype) -> None:
     """Under oneDNN an int8 layer's several-row product multiplies the prepacked dequantised matrix: the
     same product as the plain one, and the kernel choice probes that matrix's shape."""
-    from mtad.kernels import probe_weights, use_linear_kernel
+    from mtad.models.kernels import probe_weights, use_linear_kernel
 
     gen = torch.Generator().manual_seed(1)
     layer = Int8Linear.from_weight(torch.randn(80, 96, generator=gen))

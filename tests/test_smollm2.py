@@ -20,7 +20,10 @@ from transformers import AutoTokenizer, DynamicCache
 
 from mtad.cli import main
 from mtad.decoding import generate
-from mtad.pair import DEFAULT_PRESETS, ModelPair, PairError, _load, load_pair, logits_width, presets, resolve_dtype
+from mtad.models.devices import resolve_dtype
+from mtad.models.errors import PairError
+from mtad.models.pair import ModelPair, _load, load_pair, logits_width
+from mtad.models.presets import DEFAULT_PRESETS, presets
 from mtad.settings import Settings
 
 NEEDS_DRAFT = "needs assets/models/smollm2-draft"

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mtad.decoding import DECODERS, decode
 from mtad.decoding.state import DecodeState
-from mtad.pair import load_pair
+from mtad.models.pair import load_pair
 from mtad.settings import Settings
 
 

@@ -11,11 +11,11 @@ import pytest
 from mtad.decoding import mtad_accept_length
 from mtad.events import Step
 from mtad.metrics import summarize
-from mtad.pair import Preset
+from mtad.models.presets import Preset
 from mtad.ui import cards, figures, tokens, verify
 from mtad.ui.inputs import example_prompts, parse_settings
 from mtad.ui.record import LaneEnergy, LaneRecord, RunRecord
-from mtad.ui.runner import CancelRegistry
+from mtad.ui.state import CancelRegistry
 
 VOCAB = ["", "a", "b", "<", ">", "\n", " ", "&"]  # id 0 is EOS (decodes to nothing)
 
@@ -318,11 +318,11 @@ def test_lane_upto_is_the_lane_as_it_stood():
 
 
 def test_replay_animates_cards_and_plots_with_the_lanes():
-    from mtad.ui import handlers
+    from mtad.ui import replay
 
     sd, md = lane_of("sd", [sd_step(i) for i in range(4)]), lane_of("mtad", [mtad_step(i) for i in range(3)])
     rec = RunRecord("tiny", "cpu", "ab", {"tau": 0.1, "gamma": 3, "beams": 2}, {"sd": sd, "mtad": md})
-    frames = list(handlers._replay(rec, max_seconds=0.3))
+    frames = list(replay._replay(rec, max_seconds=0.3))
     first, last = frames[0], frames[-1]
     assert len(first) == 8  # message, status, three lanes, cards, two plots
     assert 'class="card-state">done' not in first[5]  # the cards start with the lanes, not at the end
@@ -405,35 +405,36 @@ def two_presets(tmp_path, monkeypatch):
 
 
 def test_examples_are_distinct_and_a_pair_change_keeps_a_typed_prompt(two_presets):
-    from mtad.ui import handlers
+    from mtad.ui import pickers
 
-    ex = handlers.pair_examples("local")
+    ex = pickers.pair_examples("local")
     assert [label for label, _ in ex] == ["def f():", "class A:"]
     import gradio as gr
 
-    info, examples, prompt = handlers.on_pair_change("big", "my own prompt")
+    info, examples, prompt = pickers.on_pair_change("big", "my own prompt")
     assert prompt == gr.skip() and examples["value"] is None  # the typed prompt stays
-    _, _, prompt = handlers.on_pair_change("big", "class A:")  # an example, not typed: it follows the pair
+    _, _, prompt = pickers.on_pair_change("big", "class A:")  # an example, not typed: it follows the pair
     assert prompt["value"] == "def f():\n    return 1"
 
 
 def test_presets_that_cannot_run_here_are_marked_or_hidden(two_presets, monkeypatch):
     import torch
 
-    from mtad.pair import presets
-    from mtad.ui import availability, handlers
+    from mtad.models.presets import presets
+    from mtad.ui import availability, pickers
+    from mtad.ui import run as runs
 
     big = presets()["big"]
     assert availability.target_billions(big) == 13.0
     reason = availability.unavailable_reason(big)
     assert "needs the internet" in reason and "MTAD_OFFLINE is set" in reason
-    labels = dict((n, lab) for lab, n in handlers.pair_choices())
+    labels = dict((n, lab) for lab, n in pickers.pair_choices())
     assert labels == {"local": "local", "big": "big (needs the internet: not on this server)"}
-    assert "Cannot run on this server" in handlers.pair_info("big")
+    assert "Cannot run on this server" in pickers.pair_info("big")
     monkeypatch.setenv("MTAD_UNAVAILABLE_PAIRS", "hide")
-    assert [n for _, n in handlers.pair_choices()] == ["local"]
+    assert [n for _, n in pickers.pair_choices()] == ["local"]
     with pytest.raises(ValueError, match="cannot run on this server: it needs the internet"):
-        handlers.check_run("x", "big", False, {})
+        runs.check_run("x", "big", False, {})
     monkeypatch.setenv("MTAD_OFFLINE", "0")
     monkeypatch.setattr(availability, "hub_unreachable", lambda: None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -443,14 +444,14 @@ def test_presets_that_cannot_run_here_are_marked_or_hidden(two_presets, monkeypa
 
 
 def test_pair_facts_are_read_from_the_loaded_models(tiny_pair):
-    from mtad.ui import handlers
+    from mtad.ui import pickers
 
     d = sum(p.numel() for p in tiny_pair.draft.parameters())
     t = sum(p.numel() for p in tiny_pair.target.parameters())
-    facts = handlers.pair_facts(tiny_pair)
-    assert facts.startswith(f"draft {handlers.millions(d)}, target {handlers.millions(t)} parameters · float32 · ")
+    facts = pickers.pair_facts(tiny_pair)
+    assert facts.startswith(f"draft {pickers.millions(d)}, target {pickers.millions(t)} parameters · float32 · ")
     assert "transformers " in facts and "attention" in facts
-    assert [handlers.millions(n) for n in (11_812_345, 134_515_008, 1_340_000_000, 250_400)] == [
+    assert [pickers.millions(n) for n in (11_812_345, 134_515_008, 1_340_000_000, 250_400)] == [
         "11.8 M",
         "135 M",
         "1.34 B",
@@ -459,7 +460,7 @@ def test_pair_facts_are_read_from_the_loaded_models(tiny_pair):
 
 
 def test_no_preset_description_states_a_size_or_dtype_the_models_would_contradict():
-    from mtad.pair import presets
+    from mtad.models.presets import presets
 
     for name, p in presets().items():
         assert not re.search(r"\d+(\.\d+)?\s?[MBk]-parameter|bf16|bfloat16|float32|fp16", p.description), name
@@ -516,9 +517,9 @@ def link_record() -> RunRecord:
 def test_a_link_carries_the_run_s_inputs_and_the_iteration():
     from urllib.parse import parse_qs
 
-    from mtad.ui import handlers
+    from mtad.ui import link
 
-    q = {k: v[0] for k, v in parse_qs(handlers.link_query(link_record(), "spectr", 2)).items()}
+    q = {k: v[0] for k, v in parse_qs(link.link_query(link_record(), "spectr", 2)).items()}
     assert q == {
         "prompt": "a & b = c?",
         "pair": "tiny",
@@ -540,31 +541,31 @@ def test_a_link_carries_the_run_s_inputs_and_the_iteration():
         "lane": "spectr",
         "it": "2",
     }
-    assert handlers.link_html(None, "mtad", 1) == ""
-    assert "a &amp; b" not in handlers.link_html(link_record(), "spectr", 2)  # url-encoded, not raw text
-    assert 'href="?prompt=a+%26+b+%3D+c%3F&amp;pair=tiny' in handlers.link_html(link_record(), "spectr", 2)
+    assert link.link_html(None, "mtad", 1) == ""
+    assert "a &amp; b" not in link.link_html(link_record(), "spectr", 2)  # url-encoded, not raw text
+    assert 'href="?prompt=a+%26+b+%3D+c%3F&amp;pair=tiny' in link.link_html(link_record(), "spectr", 2)
 
 
 def test_previous_and_next_stay_within_the_lane_s_iterations():
-    from mtad.ui import handlers
+    from mtad.ui import panel
 
     rec = link_record()
-    assert handlers.next_iteration(rec, "spectr", 1)["value"] == 2
-    assert handlers.next_iteration(rec, "spectr", 2)["value"] == 2  # the last of 2
-    assert handlers.previous_iteration(rec, "spectr", 1)["value"] == 1
-    assert handlers.previous_iteration(rec, "spectr", 2)["value"] == 1
-    assert handlers.next_iteration(None, "spectr", 1)["value"] == 1
+    assert panel.next_iteration(rec, "spectr", 1)["value"] == 2
+    assert panel.next_iteration(rec, "spectr", 2)["value"] == 2  # the last of 2
+    assert panel.previous_iteration(rec, "spectr", 1)["value"] == 1
+    assert panel.previous_iteration(rec, "spectr", 2)["value"] == 1
+    assert panel.next_iteration(None, "spectr", 1)["value"] == 1
 
 
 def test_a_link_s_iteration_opens_after_the_run_and_is_then_spent():
-    from mtad.ui import handlers
+    from mtad.ui import panel
 
     rec = link_record()
-    lane, slider, _, html, _, spent = handlers.verify_reset(rec, "mtad", {"lane": "spectr", "it": 2})
+    lane, slider, _, html, _, spent = panel.verify_reset(rec, "mtad", {"lane": "spectr", "it": 2})
     assert lane["value"] == "spectr" and slider["value"] == 2 and "iteration 2 of 2" in html and spent is None
-    lane, slider, *_ = handlers.verify_reset(rec, "bild", {"lane": "spectr", "it": 9})  # past the end: iteration 1
+    lane, slider, *_ = panel.verify_reset(rec, "bild", {"lane": "spectr", "it": 9})  # past the end: iteration 1
     assert lane["value"] == "spectr" and slider["value"] == 1
-    *_, kept = handlers.verify_reset(None, "mtad", {"lane": "spectr", "it": 2})  # no run yet: kept for the next
+    *_, kept = panel.verify_reset(None, "mtad", {"lane": "spectr", "it": 2})  # no run yet: kept for the next
     assert kept == {"lane": "spectr", "it": 2}
 
 

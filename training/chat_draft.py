@@ -14,7 +14,7 @@ the K tokens that carry the sampling mass) on two sources that exist offline:
 Two processes, both resumable, share the work directory (default ``.train-chat/``): ``--stage
 data`` writes shards of (token ids, teacher top-K) and ``--stage train`` trains on every shard
 written so far (replay), checkpointing as it goes. Shard numbers ending in 9 are held out.
-The draft (:mod:`mtad.shortlist_draft`) starts as the target's own first layers, final norm and
+The draft (:mod:`mtad.models.shortlist_draft`) starts as the target's own first layers, final norm and
 embedding rows for the shortlist of the most frequent tokens in the data (tokens and teacher
 top-1), with a tied shortlist head: a 49k-token head would cost more than the layers.
 
@@ -111,8 +111,8 @@ def load_target(dtype: torch.dtype = torch.bfloat16) -> tuple[Any, Any]:
     """The target and its tokenizer, through the same code the ``smollm2`` pair uses."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from mtad.gguf_cache import materialize
-    from mtad.pair import DEFAULT_PRESETS, presets
+    from mtad.models.gguf_cache import materialize
+    from mtad.models.presets import DEFAULT_PRESETS, presets
 
     preset = presets(DEFAULT_PRESETS)["smollm2"]
     if not preset.target.endswith(".gguf"):
@@ -142,7 +142,7 @@ def produce(work: Path, minutes: float, gen_batch: int, docs_per_gen: int) -> No
     (work / "shards").mkdir(parents=True, exist_ok=True)
     state_path = work / "data_state.json"
     state = json.loads(state_path.read_text()) if state_path.exists() else {"prompt": 0, "doc": 0, "shard": 0}
-    from mtad.pair import use_cpu_kernels
+    from mtad.models.devices import use_cpu_kernels
 
     model, tok = load_target()
     use_cpu_kernels(model)
@@ -273,7 +273,7 @@ def shortlist_tokens(samples: list[dict], k: int = SHORTLIST) -> torch.Tensor:
 
 def build_draft(target: Any, tokens: torch.Tensor, layers: tuple[int, ...] = LAYERS) -> Any:
     """The shortlist draft that training starts from: the target's ``layers`` and embedding rows."""
-    from mtad.shortlist_draft import ShortlistForCausalLM
+    from mtad.models.shortlist_draft import ShortlistForCausalLM
 
     return ShortlistForCausalLM.from_target(target, tokens, layers)
 
@@ -409,8 +409,8 @@ def report(work: Path, out: Path) -> dict:
     and its forward cost against the target's, as the model card quotes them."""
     from transformers import AutoModelForCausalLM
 
-    import mtad.shortlist_draft  # noqa: F401  (registers the draft's class with the Auto classes)
-    from mtad.pair import use_cpu_kernels
+    import mtad.models.shortlist_draft  # noqa: F401  (registers the draft's class with the Auto classes)
+    from mtad.models.devices import use_cpu_kernels
 
     torch.set_num_threads(1)
     shards = Shards(work)

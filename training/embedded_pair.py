@@ -59,7 +59,7 @@ from transformers import (
 from mtad.decoding import decode, encode_prompt
 from mtad.metrics import pool as pool_runs
 from mtad.metrics import summarize
-from mtad.pair import load
+from mtad.models.pair import load
 from mtad.prompts import read_prompts
 from mtad.settings import Settings
 

@@ -115,7 +115,7 @@ def loss_of(terms: dict[str, torch.Tensor], kl_weight: float, tv_weight: float =
 def trainable(draft: Any) -> Any:
     """The draft in fp32 with plain linear layers: int8 layers dequantised (training updates the dense
     weights; export quantises them again)."""
-    from mtad.shortlist_draft import Int8Linear
+    from mtad.models.shortlist_draft import Int8Linear
 
     draft = draft.float()
     for module in list(draft.modules()):
@@ -132,7 +132,7 @@ def load_draft(path: Path) -> Any:
     """A shortlist draft from a transformers directory, ready to train."""
     from transformers import AutoModelForCausalLM
 
-    import mtad.shortlist_draft  # noqa: F401  (registers the class with the Auto classes)
+    import mtad.models.shortlist_draft  # noqa: F401  (registers the class with the Auto classes)
 
     return trainable(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
 
@@ -254,7 +254,7 @@ def evaluate(draft: Any, heldout: list[dict], chunk: int = 8) -> dict[str, float
 
 def load_target() -> tuple[Any, Any]:
     """The smollm2 target as the pair runs it on this CPU (its best dtype and kernels), and its tokenizer."""
-    from mtad.pair import auto_dtype, use_cpu_kernels
+    from mtad.models.devices import auto_dtype, use_cpu_kernels
     from training.chat_draft import load_target as load
 
     target, tok = load(auto_dtype(torch.device("cpu")))

@@ -14,7 +14,7 @@ from mtad.decoding import autoregressive, bild, hf_assisted, mtad, mtad_tree, mt
 from mtad.decoding.rules import mtad_accept_length, mtad_passes
 from mtad.decoding.spec import Decoder, MethodSpec, register, registry, spec_of
 from mtad.events import Run, Step
-from mtad.pair import ModelPair
+from mtad.models.pair import ModelPair
 from mtad.settings import Settings, uses_draft
 
 for _module in (autoregressive, speculative, mtad, mtad_tree, bild, spectr, specinfer, hf_assisted, mtjd):

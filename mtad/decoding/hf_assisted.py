@@ -17,7 +17,7 @@ from transformers.utils import logging as hf_logging
 from mtad.decoding.spec import MethodSpec
 from mtad.decoding.state import PhaseTimer
 from mtad.events import Step
-from mtad.pair import ModelPair, logits_width
+from mtad.models.pair import ModelPair, logits_width
 from mtad.settings import PARAMS, Settings
 
 

@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mtad.cpu_attention import NAME as CPU_SDPA
 from mtad.decoding.autoregressive import ar_step
 from mtad.decoding.state import DecodeState, to_host
 from mtad.decoding.tree import TokenTree, keep_path, verify_tree
 from mtad.events import Step
+from mtad.models.cpu_attention import NAME as CPU_SDPA
 from mtad.sampling import probs, sample
 
 Rule = Callable[..., tuple[int | None, torch.Tensor]]

@@ -11,7 +11,7 @@ import torch
 from mtad.decoding.kv import KVCache
 from mtad.decoding.static_lm import StaticLM
 from mtad.events import Step
-from mtad.pair import ModelPair
+from mtad.models.pair import ModelPair
 from mtad.sampling import log_probs, make_generator
 from mtad.settings import Settings, uses_draft
 

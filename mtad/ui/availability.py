@@ -17,7 +17,8 @@ import threading
 
 import torch
 
-from mtad.pair import Preset, _hub_unreachable
+from mtad.models.pair import _hub_unreachable
+from mtad.models.presets import Preset
 
 GPU_TARGET_BILLIONS = 3.0  # a target this large is too slow (or too big) for a CPU server
 _PROBE: dict[str, str | None] = {}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from mtad.pair import Preset
+from mtad.models.presets import Preset
 from mtad.prompts import PromptFileError, read_prompts
 from mtad.settings import PARAMS, Settings
 

@@ -1,11 +1,10 @@
-"""Run orchestration: shared model pairs, one generation on the device at a time, lanes decoded in a
+"""Run orchestration: the model-pair cache, one generation on the device at a time, lanes decoded in a
 worker thread (so each lane's clock and energy count only its own work), Stop at the next iteration."""
 
 from __future__ import annotations
 
 import gc
 import logging
-import os
 import queue
 import threading
 import time
@@ -15,7 +14,9 @@ from collections.abc import Iterator
 import torch
 
 from mtad.decoding import decode
-from mtad.pair import ModelPair, PairError, load_pair, presets
+from mtad.models.errors import PairError
+from mtad.models.pair import ModelPair, load_pair
+from mtad.models.presets import presets
 from mtad.settings import Settings
 from mtad.ui.record import LaneEnergy, RunRecord
 
@@ -70,9 +71,6 @@ class PairCache:
             return pair
 
 
-PAIRS = PairCache(int(os.environ.get("MTAD_MAX_LOADED_PAIRS", "1")))
-
-
 def free_device_memory() -> None:
     """Return cached CUDA memory to the driver (a no-op on the CPU). Call it after an ``except`` block, not
     inside: until the handler ends, its traceback keeps the failed frames' caches and logits alive."""
@@ -81,44 +79,6 @@ def free_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-class CancelRegistry:
-    """One Stop flag per browser session: armed when Run is pressed, set by Stop or a closed tab."""
-
-    def __init__(self) -> None:
-        self._flags: dict[str, tuple[threading.Event, bool]] = {}
-        self._lock = threading.Lock()
-
-    def arm(self, session: str) -> threading.Event:
-        """A fresh flag for the session's next run (set it to stop that run even while it is queued)."""
-        with self._lock:
-            ev = threading.Event()
-            self._flags[session] = (ev, False)
-            return ev
-
-    def take(self, session: str) -> threading.Event:
-        """The flag a starting run watches: the armed one if unused, else a fresh one."""
-        with self._lock:
-            ev, used = self._flags.get(session, (None, True))
-            if ev is None or used:
-                ev = threading.Event()
-            self._flags[session] = (ev, True)
-            return ev
-
-    def stop(self, session: str) -> bool:
-        """Set the session's flag; True if there was one."""
-        with self._lock:
-            entry = self._flags.get(session)
-        if entry is None:
-            return False
-        entry[0].set()
-        return True
-
-    def forget(self, session: str) -> None:
-        with self._lock:
-            self._flags.pop(session, None)
-
-
-CANCELS = CancelRegistry()
 ACTIVE: set[threading.Thread] = set()
 HISTORY: deque[tuple[str, str, int]] = deque(maxlen=16)  # (method, final state, steps) of recent lanes
 

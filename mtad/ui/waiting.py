@@ -169,6 +169,3 @@ def full_text(jobs: Jobs) -> str:
         f"the queue is full ({jobs.size} {runs} waiting, the most this server keeps): your run was not queued "
         "and nothing is waiting for you. Press Run again in a while"
     )
-
-
-LINE = WaitingLine()

@@ -23,7 +23,7 @@ from mtad.decoding.spec import spec_of
 from mtad.energy import EnergyMeter, EnergyReading
 from mtad.events import Step
 from mtad.metrics import position_counts, summarize
-from mtad.pair import ModelPair
+from mtad.models.pair import ModelPair
 from mtad.prompts import Prompt
 from mtad.settings import Settings
 

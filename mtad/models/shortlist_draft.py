@@ -29,7 +29,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import slice_logits_to_keep
 from transformers.models.llama.modeling_llama import LlamaModel, LlamaPreTrainedModel
 
-from mtad.cpu_linear import replace_linears, stationary_linear
+from mtad.models.cpu_linear import replace_linears, stationary_linear
 
 
 class ShortlistConfig(LlamaConfig):
@@ -74,7 +74,7 @@ class Int8Linear(nn.Module):
     (``aten._weight_int8pack_mm``), which reads half the bytes of a bf16 product. Several rows (beams,
     prefill), fp32 and other devices multiply by the dequantised matrix, kept after its first use: the
     int8 kernel is slower than the dense bf16 product from two rows on (MTAD's beams), and with fp32
-    activations at any size. That dense product runs the kernel :mod:`mtad.kernels` chose for the model
+    activations at any size. That dense product runs the kernel :mod:`mtad.models.kernels` chose for the model
     (``kernel``: oneDNN with the dense matrix prepacked, else the weight-first product)."""
 
     def __init__(self, in_features: int, out_features: int) -> None:
@@ -83,7 +83,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8))
         self.register_buffer("scale", torch.ones(out_features, dtype=torch.float32))
         self._kept: dict[str, tuple[tuple, torch.Tensor]] = {}  # name -> (what it was made from, tensor)
-        self.kernel = "stationary"  # how the dequantised matrix is multiplied: mtad.kernels sets it at load
+        self.kernel = "stationary"  # how the dequantised matrix is multiplied: mtad.models.kernels sets it at load
 
     def __deepcopy__(self, memo: dict) -> Int8Linear:
         """A copy of the weights and the kernel choice, without the products kept from them: they are

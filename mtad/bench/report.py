@@ -16,11 +16,11 @@ from pathlib import Path
 import torch
 import transformers
 
-from mtad.bench_plots import ar_row, figure1_series, save_sweep_figures
-from mtad.bench_run import BenchResult
+from mtad.bench.plots import ar_row, figure1_series, save_sweep_figures
+from mtad.bench.run import BenchResult
 from mtad.decoding.spec import registry, spec_of
 from mtad.events import json_safe
-from mtad.pair import ModelPair
+from mtad.models.pair import ModelPair
 
 
 def fmt(value: float | None, digits: int | None = None) -> str:

@@ -1,7 +1,7 @@
 """``python -m mtad.bench``: prompts x methods x settings -> the paper's tables, JSON, CSV and sweep plots.
 
-This file is the command line; the running is in ``mtad.bench_run``, the aggregation in
-``mtad.bench_aggregate`` and the table and files in ``mtad.bench_report``.
+This module is the command line; the running is in ``mtad.bench.run``, the aggregation in
+``mtad.bench.aggregate`` and the table and files in ``mtad.bench.report``.
 """
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from mtad.bench_aggregate import aggregate
-from mtad.bench_report import environment, git_commit, render_table, write_outputs
-from mtad.bench_run import Case, build_cases, run_bench
+from mtad.bench.aggregate import aggregate
+from mtad.bench.report import environment, git_commit, render_table, write_outputs
+from mtad.bench.run import Case, build_cases, run_bench
 from mtad.cli import add_pair_args, add_sampling_args, load_pair_from_args, sampling_settings
 from mtad.decoding import encode_prompt
 from mtad.decoding.spec import method_names, registry
 from mtad.energy import EnergyMeter
-from mtad.pair import default_pair_name, presets
+from mtad.models.presets import default_pair_name, presets
 from mtad.prompts import Prompt, read_prompts
 from mtad.settings import Settings, uses_draft
 
@@ -214,7 +214,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         for path in write_outputs(out, env, config, result, rows, table, args.plotlyjs):
             print(f"wrote {path}", file=sys.stderr)
     return 130 if result.interrupted else 1 if result.failures else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

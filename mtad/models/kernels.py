@@ -6,7 +6,7 @@ speed. Which one that is depends on the CPU and the dtype, and no flag predicts 
 
 - ``mkl``: PyTorch's own ``F.linear``. On AVX2-only CPUs in fp32 its small-row sgemm makes a
   5-row product cost far more than a 1-row one, so a verification costs much more than a token.
-- ``stationary``: the weight-first bf16 product (:mod:`mtad.cpu_linear`), fast on AMX Xeons; on a
+- ``stationary``: the weight-first bf16 product (:mod:`mtad.models.cpu_linear`), fast on AMX Xeons; on a
   CPU without native bf16 it is slower than ``mkl``.
 - ``onednn``: weights prepacked once for oneDNN (``torch.ops.mkldnn._reorder_linear_weight``) and
   multiplied by ``_linear_pointwise``; fp32 and bf16.
@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from mtad.cpu_linear import StationaryLinear, replace_linears, stationary_linear
+from mtad.models.cpu_linear import StationaryLinear, replace_linears, stationary_linear
 
 KERNELS = ("mkl", "stationary", "onednn")
 PROBE_ROWS = (1, 5)
@@ -120,7 +120,7 @@ def probe_weights(model: nn.Module) -> list[torch.Tensor]:
     """One weight of each shape the model multiplies by (a decoder layer's and the output head's), in
     the model's dtype: a sample of what a forward streams. An int8 layer counts with its dequantised matrix,
     which is what its several-row products multiply by."""
-    from mtad.shortlist_draft import Int8Linear
+    from mtad.models.shortlist_draft import Int8Linear
 
     dtype = next(model.parameters()).dtype
     seen, out = set(), []
@@ -161,7 +161,7 @@ def use_linear_kernel(model: nn.Module, kernel: str) -> int:
     """Put ``kernel``'s layer in place of every plain ``nn.Linear`` (or one a previous choice made) in
     ``model``, and have int8 layers multiply their dequantised matrix with it; returns how many layers
     were replaced."""
-    from mtad.shortlist_draft import Int8Linear
+    from mtad.models.shortlist_draft import Int8Linear
 
     for m in model.modules():
         if isinstance(m, Int8Linear):
@@ -215,14 +215,15 @@ def forward_ms(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m mtad.kernels``: what each linear kernel costs here for a pair's target, and which one a
+    """``python -m mtad.models.kernels``: what each linear kernel costs here for a pair's target, and which one a
     load would choose: the probe's figures, then whole forwards of 1 and 5 tokens with each kernel,
     the kernels alternating (medians of 7 rounds)."""
     import argparse
 
-    from mtad.pair import load_pair, resolve_dtype
+    from mtad.models.devices import resolve_dtype
+    from mtad.models.pair import load_pair
 
-    ap = argparse.ArgumentParser(prog="python -m mtad.kernels", description=main.__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m mtad.models.kernels", description=main.__doc__.splitlines()[0])
     ap.add_argument("--pair", default="embedded")
     ap.add_argument("--dtype", default="auto")
     args = ap.parse_args(argv)

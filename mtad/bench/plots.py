@@ -11,7 +11,7 @@ import plotly.colors
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from mtad.bench_run import SWEPT
+from mtad.bench.run import SWEPT
 from mtad.decoding.mtjd import SPEC as MTJD
 
 SWEEPS = {

@@ -1,0 +1,137 @@
+"""Where and how a pair computes: the device, the dtype, CPU threads, device maps and the faster kernels."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from mtad.models.cpu_attention import use_cpu_gqa_attention
+from mtad.models.errors import PairError
+from mtad.models.kernels import choose as choose_linear_kernel
+from mtad.models.kernels import use_linear_kernel
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def resolve_device(device: str | None = "auto") -> torch.device:
+    """CUDA when there is one, else the CPU; an explicit choice wins, checked against this machine's GPUs."""
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise PairError(f"device must be auto, cpu, cuda or cuda:N; got {device!r}") from exc
+    if dev.type not in ("cpu", "cuda"):
+        raise PairError(f"device must be auto, cpu, cuda or cuda:N; got {device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise PairError(f"device {device!r} asked for, but this machine has no CUDA GPU; use --device cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= (count := torch.cuda.device_count()):
+        raise PairError(
+            f"device {device!r} asked for, but this machine has {count} CUDA GPU{'s' if count != 1 else ''} "
+            f"(cuda:0{f' to cuda:{count - 1}' if count > 1 else ''})"
+        )
+    return dev
+
+
+def configure_cpu_threads() -> int:
+    """Use all cores but one for torch's intra-op threads on the CPU (``MTAD_CPU_THREADS`` overrides).
+
+    Measured on a 2-core machine: with one core busy elsewhere (a web server, a second job),
+    2-thread torch ran the embedded pair 150x slower than 1 thread, its threads spinning on a
+    descheduled peer. Leaving a core free keeps the UI responsive and the timings honest.
+    """
+    wanted = os.environ.get("MTAD_CPU_THREADS")
+    try:
+        n = int(wanted) if wanted else max(1, (os.cpu_count() or 1) - 1)
+    except ValueError as exc:
+        raise PairError(f"MTAD_CPU_THREADS must be a whole number of threads; got {wanted!r}") from exc
+    torch.set_num_threads(max(1, n))
+    return torch.get_num_threads()
+
+
+def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """True when the CPU computes bf16 natively (AMX-BF16 or AVX512-BF16), where it is no slower than fp32."""
+    caps = getattr(torch.cpu, "get_capabilities", None)
+    if caps is not None:
+        found = caps()
+        return bool(found.get("amx_bf16") or found.get("avx512_bf16"))
+    try:
+        flags = set(cpuinfo.read_text().split())
+    except OSError:
+        return False
+    return bool(flags & {"amx_bf16", "avx512_bf16"})
+
+
+def auto_dtype(device: torch.device) -> torch.dtype:
+    """What a device computes best: bf16 on CUDA from compute capability 8.0 (Ampere) on, fp16 below it
+    (a T4 only emulates bf16); on the CPU bf16 where it is native, else fp32."""
+    if device.type == "cuda":
+        major, _ = torch.cuda.get_device_capability(device)
+        return torch.bfloat16 if major >= 8 else torch.float16
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device, preset: str | None = None) -> torch.dtype:
+    """An explicit dtype wins, then the operator's ``MTAD_DTYPE``, then the preset's own, else :func:`auto_dtype`."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        dtype = os.environ.get("MTAD_DTYPE") or preset or "auto"
+        if dtype == "auto":
+            return auto_dtype(device)
+    if dtype not in DTYPES:
+        raise PairError(f"dtype must be auto or one of {', '.join(DTYPES)}; got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def resolve_device_map(device_map: str | None) -> str | None:
+    """``"auto"`` (split the target over every GPU, then the CPU) or None (one device); ``MTAD_DEVICE_MAP``
+    is the default."""
+    value = device_map if device_map is not None else os.environ.get("MTAD_DEVICE_MAP") or None
+    if value not in (None, "auto", "none"):
+        raise PairError(f"device map must be auto or none; got {value!r}")
+    return None if value == "none" else value
+
+
+def first_device(model: torch.nn.Module) -> torch.device:
+    """Where a (possibly split) model takes its input ids: accelerate's main device (the first GPU in its
+    device map, else the CPU), or where the input embeddings are for a model on one device."""
+    placed = getattr(model, "hf_device_map", None)
+    if not placed:
+        return model.get_input_embeddings().weight.device
+    gpus = [d for d in placed.values() if d not in ("cpu", "disk")]
+    main = gpus[0] if gpus else "cpu"
+    return torch.device("cuda", main) if isinstance(main, int) else torch.device(main)
+
+
+def use_cpu_kernels(model: torch.nn.Module) -> torch.nn.Module:
+    """A CPU model's faster paths, same products: grouped-query attention left to the kernel
+    (``mtad.models.cpu_attention``) and the linear-layer kernel measured fastest here (``mtad.models.kernels``),
+    recorded as ``model.mtad_linear_kernel``."""
+    use_cpu_gqa_attention(model)
+    try:
+        kernel = choose_linear_kernel(model)
+    except ValueError as exc:
+        raise PairError(str(exc)) from exc
+    use_linear_kernel(model, kernel)
+    model.mtad_linear_kernel = kernel
+    return model
+
+
+def use_cuda_kernels() -> None:
+    """Keep scaled-dot-product attention off cuDNN on CUDA (process-wide), for flash or memory-efficient.
+
+    torch sends SDPA to cuDNN first on Hopper and newer, and cuDNN builds an execution plan for every
+    new shape; decoding meets a new key length at every step (and new row counts with beams). Measured
+    on an H100: docs/journal/2026-11-22-smollm2-h100.md.
+    """
+    torch.backends.cuda.enable_cudnn_sdp(False)

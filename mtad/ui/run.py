@@ -1,0 +1,195 @@
+"""A run, from the page's Run or the ``/run`` API: the form checked by name, the pair loaded, the lanes
+decoded one after another and streamed to the page."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+
+import gradio as gr
+import torch
+
+from mtad.decoding import encode_prompt
+from mtad.models.errors import PairError
+from mtad.models.presets import presets
+from mtad.settings import Settings
+from mtad.ui import availability, race
+from mtad.ui.form import RunForm
+from mtad.ui.inputs import as_bool, parse_settings
+from mtad.ui.outputs import Refused, Stream, api_error, blank_outputs, message_html, refuse
+from mtad.ui.pickers import DEFAULT_RACE, device_name, device_text, pick_racers, shown_race
+from mtad.ui.record import LaneRecord, RunRecord
+from mtad.ui.runner import OOM_MESSAGE, free_device_memory, run_lanes
+from mtad.ui.state import PAGE, session_of
+
+log = logging.getLogger(__name__)
+LIVE_EVERY = 0.3  # seconds between live lane refreshes (a long run must not drown the browser)
+EMPTY_PROMPT = "the prompt is empty: type some text to continue"
+MAX_PROMPT_TOKENS_DEFAULT = 1024
+"""Prompt tokens a visitor may send (``MTAD_MAX_PROMPT_TOKENS``; 0: no cap). Each lane reads the whole
+prompt before its first token; measured on the smollm2 pair, 2-core CPU, see docs/benchmarks.md."""
+
+
+def max_prompt_tokens() -> int:
+    """The operator's cap on a visitor's prompt tokens (``MTAD_MAX_PROMPT_TOKENS``, read at every run)."""
+    raw = os.environ.get("MTAD_MAX_PROMPT_TOKENS", "")
+    try:
+        return max(0, int(raw)) if raw.strip() else MAX_PROMPT_TOKENS_DEFAULT
+    except ValueError:
+        log.warning("MTAD_MAX_PROMPT_TOKENS=%r is not an integer; using %d", raw, MAX_PROMPT_TOKENS_DEFAULT)
+        return MAX_PROMPT_TOKENS_DEFAULT
+
+
+def check_prompt_length(n_tokens: int) -> None:
+    """ValueError naming the prompt when it is longer than the operator allows."""
+    cap = max_prompt_tokens()
+    if cap and n_tokens > cap:
+        raise ValueError(
+            f"the prompt is {n_tokens:,} tokens long; this server takes at most {cap:,} prompt tokens "
+            "(each lane reads the whole prompt before its first token, holding the shared device): shorten it"
+        )
+
+
+def check_run(
+    prompt: object,
+    pair_name: object,
+    with_ar: object,
+    values: dict,
+    left: object = DEFAULT_RACE[0],
+    right: object = DEFAULT_RACE[1],
+) -> tuple[Settings, list[str]]:
+    """Everything the run event received, checked (the API can send anything): the settings and the two
+    decoders to race; ValueError naming the field."""
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ValueError(EMPTY_PROMPT)
+    table = presets()
+    if not isinstance(pair_name, str) or pair_name not in table:
+        raise ValueError(f"model pair {str(pair_name)[:80]!r} is not offered here; pick one of: {', '.join(table)}")
+    reason = availability.unavailable_reason(table[pair_name])
+    if reason:
+        raise ValueError(f"model pair {pair_name!r} cannot run on this server: it {reason}; pick another pair")
+    as_bool("AR baseline lane", with_ar)
+    chosen = pick_racers(left, right)
+    settings = parse_settings(**values)
+    for method in chosen:  # a method's own range (its spec) may be narrower than the page's
+        settings.with_(method=method).validate()
+    return settings, chosen
+
+
+def run(
+    prompt: str,
+    pair_name: str,
+    tau: float,
+    beams: int,
+    gamma: int,
+    max_new_tokens: int,
+    greedy: bool,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    seed: int,
+    with_ar: bool,
+    left: str,
+    right: str,
+    num_drafts: int,
+    tau1: float,
+    tau2: float,
+    request: gr.Request,
+) -> Iterator[tuple]:
+    """The API's ``/run``: generate with the two raced decoders, one after another (then AR if asked),
+    streaming the lanes; a refusal or a failed lane ends the job with an error naming the field or the lane.
+    Its parameters are :class:`RunForm`'s fields, in order, named as the API names them."""
+    form = RunForm(**{name: value for name, value in locals().items() if name != "request"})
+    try:
+        yield from _run(session_of(request), form)
+    except Refused as exc:
+        raise api_error(exc) from None
+
+
+def run_page(request: gr.Request, **form: object) -> Iterator[tuple]:
+    """The page's Run: the form's fields by name (app.py's ``inputs_kwargs``); a refusal only stays in the
+    message area (no error badge or toast that hides the message and leaves the old status behind)."""
+    with contextlib.suppress(Refused):
+        yield from _run(session_of(request), RunForm(**form))
+
+
+def _run(session: str, form: RunForm) -> Iterator[tuple]:
+    PAGE.line.start(session)
+    try:
+        yield from _generate(session, form)
+    finally:
+        PAGE.line.leave(session)
+
+
+def _generate(session: str, form: RunForm) -> Iterator[tuple]:
+    prompt, pair_name, with_ar = form.prompt, form.pair_name, form.with_ar
+    left, right = form.left, form.right
+    race = shown_race(left, right)
+    try:
+        settings, racers = check_run(prompt, pair_name, with_ar, form.settings_values(), left, right)
+    except ValueError as exc:
+        yield from refuse(str(exc), race)
+    cancel = PAGE.cancels.take(session)
+    if cancel.is_set():
+        stopped = message_html("Stopped while waiting in the queue.", kind="stop")
+        yield blank_outputs(stopped, "Stopped before start.", race)
+        return
+    if not PAGE.pairs.loaded(pair_name):
+        yield blank_outputs(message_html(), f"Loading the pair `{pair_name}` (first run only)…", race)
+    try:
+        pair = PAGE.pairs.get(pair_name)
+        prompt_ids = encode_prompt(pair, prompt, settings)
+        check_prompt_length(len(prompt_ids))
+    except (PairError, ValueError) as exc:
+        yield from refuse(str(exc), race)
+    methods = racers + (["ar"] if with_ar else [])
+    record = RunRecord(
+        pair=pair_name,
+        device=device_name(pair.device),
+        prompt=prompt,
+        settings=settings.to_dict(),
+        lanes={m: LaneRecord(method=m, prompt_ids=prompt_ids) for m in methods},
+    )
+    stream = Stream()
+    try:
+        for rec in run_lanes(pair, record, settings, cancel, interval=LIVE_EVERY):
+            running = next((lane for lane in rec.lanes.values() if not lane.finished), None)
+            if running is None:
+                status = device_text(rec)
+            elif cancel.is_set():
+                status = f"{device_text(rec)} · **stopping** after the iteration in progress…"
+            else:
+                status = f"{device_text(rec)} · running **{running.label}**…"
+            yield stream.outputs(rec, status, message=message_html() if not stream.sent else None)
+    except torch.cuda.OutOfMemoryError:
+        free_device_memory()
+        yield from refuse(OOM_MESSAGE, race)
+    errors = "; ".join(f"{lane.label}: {lane.error}" for lane in record.lanes.values() if lane.error)
+    status = device_text(record) + (" · failed" if errors else run_tail(record))
+    yield stream.outputs(record, status, message=message_html(errors) if errors else None, final=True)
+    if errors:
+        raise Refused(errors)
+
+
+def run_tail(record: RunRecord) -> str:
+    """How the run ended, for the status line."""
+    if not any(lane.state == "stopped" for lane in record.lanes.values()):
+        return " · done: the race above replays the lanes on one time axis (Replay re-animates the lanes too)"
+    with_steps = [lane for lane in record.lanes.values() if lane.steps]
+    last = with_steps[-1] if with_steps else None
+    where = f" ({last.label} stopped after {len(last.steps)} iterations)" if last and last.state == "stopped" else ""
+    return f" · stopped by Stop{where}"
+
+
+def race_after_run(record: RunRecord | None) -> str | dict:
+    """When a run ends, its lanes race again on one time axis (nothing changes when no lane has steps)."""
+    if record is None or not any(lane.steps for lane in record.lanes.values()):
+        return gr.skip()
+    return race.run_race_html(list(record.lanes.values()), record.device)
+
+
+def toggle_ar(with_ar: bool) -> dict:
+    """The AR lane's box shows only while the AR baseline lane is asked for."""
+    return gr.update(visible=bool(with_ar))
