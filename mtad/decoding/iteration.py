@@ -17,13 +17,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Generic, TypeVar
 
 import torch
 
 from mtad.decoding.state import DecodeState, to_host
 from mtad.events import Step
 from mtad.sampling import pick
+
+P = TypeVar("P")  # a drafter's proposal
+S = TypeVar("S")  # a verifier's scores
 
 Value = torch.Tensor | list | int | float | None
 """A verdict's value: a device tensor (read in the iteration's one host read), or a host value a host-side
@@ -58,15 +61,15 @@ class Verdict:
 
 
 @dataclass(frozen=True)
-class Iteration:
+class Iteration(Generic[P, S]):
     """A method's drafter, verifier and rule; calling it on a ``DecodeState`` runs one iteration.
 
     ``room``: how many tokens it may draft now (default ``DecodeState.draft_length``: gamma, less where the
     budget ends); at 0 or less the iteration is the target's own token (:data:`TARGET`)."""
 
-    propose: Callable[[DecodeState, int], Any]
-    verify: Callable[[DecodeState, Any], Any]
-    accept: Callable[[DecodeState, Any, Any], Verdict]
+    propose: Callable[[DecodeState, int], P]
+    verify: Callable[[DecodeState, P], S]
+    accept: Callable[[DecodeState, P, S], Verdict]
     room: Callable[[DecodeState], int] = DecodeState.draft_length
 
     def __call__(self, st: DecodeState) -> Step:
@@ -82,8 +85,10 @@ class Iteration:
 def conclude(st: DecodeState, t0: float, verdict: Verdict) -> Step:
     """Read the verdict in ONE host read, build its ``Step`` (kept drafts, then the target's token) and
     commit it with ``st.finish``: what every iteration ends with, MTJD's aside."""
-    core = (verdict.draft, verdict.joint_p, verdict.joint_q, verdict.accepted, verdict.extra)
-    draft, jp, jq, n, extra, kept_lps, us, *more = read(*core, verdict.kept_logprobs, verdict.uniforms, *verdict.more)
+    v = verdict
+    draft, jp, jq, n, extra, kept_lps, us, *more = read(
+        v.draft, v.joint_p, v.joint_q, v.accepted, v.extra, v.kept_logprobs, v.uniforms, *v.more
+    )
     draft = draft or []
     step = Step(
         index=0,
