@@ -30,14 +30,17 @@ TOY = "toy-sd"
 TOY_FILE = '''
 """A toy decoder: speculative decoding allowed at most 3 draft tokens (its own range for gamma)."""
 
+from mtad.decoding.iteration import Iteration, iid_draft, verify_row
 from mtad.decoding.spec import MethodSpec
-from mtad.decoding.speculative import sd_step
+from mtad.decoding.speculative import sd_accept
 from mtad.settings import PARAMS
+
+TOY_SD = Iteration(propose=iid_draft, verify=verify_row, accept=sd_accept)
 
 
 def toy_step(st):
-    """One SD iteration under the toy's name."""
-    return sd_step(st)
+    """One SD iteration under the toy's name: SD's drafter, verifier and rule in the shared iteration."""
+    return TOY_SD(st)
 
 
 SPEC = MethodSpec(

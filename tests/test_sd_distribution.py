@@ -131,12 +131,12 @@ def test_sd_bonus_and_resample_match_target_distribution(bonus_setup: tuple) -> 
 def test_bonus_from_the_wrong_position_is_caught(bonus_setup: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
     """Negative control: the bonus drawn from p[g-1] (the last draft's position) instead of p[g]."""
     pair, ids, law = bonus_setup
-    source = inspect.getsource(speculative.sd_step)
-    assert source.count("p[g:]") == 1, "sd_step no longer takes its bonus row as p[g:]: update this control"
+    source = inspect.getsource(speculative.sd_accept)
+    assert source.count("p[g:]") == 1, "sd_accept no longer takes its bonus row as p[g:]: update this control"
     scope = dict(vars(speculative))
     exec(compile(source.replace("p[g:]", "p[g - 1 : g]"), speculative.__file__, "exec"), scope)
-    # swap the code in place, so every reference to sd_step (the decoder registry too) runs the bug
-    monkeypatch.setattr(speculative.sd_step, "__code__", scope["sd_step"].__code__)
+    # swap the code in place, so every reference to sd_accept (SD's iteration, so the registry too) runs the bug
+    monkeypatch.setattr(speculative.sd_accept, "__code__", scope["sd_accept"].__code__)
     counts, kinds = sampled(pair, ids, BONUS)
     assert kinds["bonus"] >= RUNS // 2, kinds
     # caught either way: pairs the warped target gives probability 0, or a misfit

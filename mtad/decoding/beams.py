@@ -25,6 +25,11 @@ class Beams:
         """MTAD's name for :attr:`token_logp` when the searched model is the draft."""
         return self.token_logp
 
+    def of_best(self, rows: torch.Tensor) -> torch.Tensor:
+        """The best beam's row of a per-beam tensor [W, ...] (``index_select``: indexing with the 0-d
+        :attr:`best` would read it on the host)."""
+        return rows.index_select(0, self.best.view(1))[0]
+
 
 BeamDraft = Beams
 """MTAD's beams over the draft model (the name its decoders and tests use)."""

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
-from mtad.decoding.autoregressive import ar_step
+from mtad.decoding.iteration import Drafts, Iteration, Verdict, iid_draft, logprobs_of, verify_row
 from mtad.decoding.spec import MethodSpec
 from mtad.decoding.state import DecodeState, to_host
 from mtad.events import Step
@@ -22,61 +23,64 @@ def bild_rollback(token_nll: list[float], tau2: float) -> int:
     return len(token_nll)
 
 
-def bild_step(st: DecodeState) -> Step:
-    """One BiLD iteration. The draft ("little") writes tokens from warp(q) until its top probability
-    for the next token falls below tau1 (fallback) or gamma tokens are out; the target ("big") scores
-    them in one forward, keeps those before the first whose negative log-likelihood under the target
-    (the distribution the run samples from) exceeds tau2, and adds its own token at that position
-    (after a rollback, or at a fallback, or as the bonus after gamma kept drafts).
+@dataclass
+class LittleDraft(Drafts):
+    """The little model's draft, and its top log q at each position it checked against tau1 (one more than
+    the drafts when it fell back), for the panel."""
 
-    Not exact in distribution: a kept draft token is the draft's draw, merely vetted by the target.
-    The fallback check reads each draft distribution on the host (one sync per draft token)."""
-    g = st.draft_length()
-    if g <= 0:
-        return ar_step(st)
-    t0 = st.begin()
-    s = st.settings
-    log_tau1 = math.log(s.tau1) if s.tau1 > 0 else -math.inf
-    tokens = st.pending(st.draft)
-    drafted, q_rows, calls, tops = [], [], 0, []
-    while len(drafted) < g:
-        lq = st.draft_logq(tokens)[0]
-        calls += 1
+    tops: list[float]
+
+
+def bild_draft(st: DecodeState, g: int) -> LittleDraft:
+    """Draft from warp(q) until the little model's top probability for the next token falls below tau1
+    (fallback: the big one writes that position) or g tokens are out. The fallback check reads each
+    draft distribution on the host (one sync per draft token)."""
+    log_tau1 = math.log(st.settings.tau1) if st.settings.tau1 > 0 else -math.inf
+    tops: list[float] = []
+
+    def unsure(lq: torch.Tensor) -> bool:
+        """Whether the little model's likeliest next token falls below tau1 (read on the host)."""
         tops.append(float(lq.max()))  # the fallback test's own read, kept for the panel
-        if tops[-1] < log_tau1:
-            break  # fallback: the little model is unsure; the big one writes this position
-        col = pick(lq, s, st.generator)
-        tok = st.draft_tokens(col)
-        drafted.append(tok)
-        q_rows.append(lq.gather(0, col.view(1))[0])
-        tokens = tok.view(1, 1)
-    n_draft = len(drafted)
-    draft = torch.stack(drafted) if drafted else None
-    logits = st.run_target(draft)
+        return tops[-1] < log_tau1
+
+    drafts = iid_draft(st, g, stop=unsure)
+    return LittleDraft(drafts.tokens, drafts.log_q, drafts.calls, tops)
+
+
+def bild_accept(st: DecodeState, drafts: LittleDraft, logits: torch.Tensor) -> Verdict:
+    """Keep the drafts before the first whose negative log-likelihood under the target (the distribution
+    the run samples from) exceeds tau2; the target adds its own token at that position (after a rollback,
+    or at a fallback, or as the bonus after gamma kept drafts)."""
+    draft = drafts.tokens[0]
+    n_draft = draft.numel()
     log_p = st.judged(logits)
-    lp_x = log_p[:n_draft].gather(1, draft[:, None])[:, 0] if drafted else log_p[:0, 0]
-    lq_x = torch.stack(q_rows) if drafted else lp_x
-    draft_ids, nll = to_host(draft, -lp_x) if drafted else ([], [])
-    n = bild_rollback(nll, s.tau2)
-    extra = pick(log_p[n], s, st.generator)
-    kept_ids = draft_ids[:n]
-    rows = torch.arange(n + 1, device=st.device)
-    kept = torch.cat([draft[:n], extra.view(1)]) if n else extra.view(1)
-    kept_lp = torch.log_softmax(logits, dim=-1)[rows, kept]
-    jp, jq, extra_i, kept_lps = to_host(lp_x.cumsum(0), lq_x.cumsum(0), extra, kept_lp)
-    step = Step(
-        index=0,
-        method=s.method,
-        draft_ids=draft_ids,
-        log_p=jp,
-        log_q=jq,
-        accepted=n,
-        from_target=[False] * n + [True],
-        target_logprobs=kept_lps,
-        draft_calls=calls,
-        draft_top_q=[math.exp(t) for t in tops],
+    lp_x = log_p[:n_draft].gather(1, draft[:, None])[:, 0]
+    lq_x = drafts.log_q[0].gather(1, draft[:, None])[:, 0]
+    draft_ids, nll = to_host(draft, -lp_x) if n_draft else ([], [])
+    n = bild_rollback(nll, st.settings.tau2)
+    extra = pick(log_p[n], st.settings, st.generator)
+    kept_lp = logprobs_of(logits, torch.cat([draft[:n], extra.view(1)]))
+
+    def record(step: Step, values: list) -> None:
+        """The little model's top probability at each position it checked, for the panel."""
+        step.draft_top_q = [math.exp(t) for t in drafts.tops]
+
+    return Verdict(
+        draft_ids, lp_x.cumsum(0), lq_x.cumsum(0), n, extra, kept_lp, draft_calls=drafts.calls, record=record
     )
-    return st.finish(t0, step, kept_ids + [extra_i], n)
+
+
+BILD = Iteration(propose=bild_draft, verify=verify_row, accept=bild_accept)
+"""The little model drafts until unsure, the big one vets the drafts in one forward and rolls back."""
+
+
+def bild_step(st: DecodeState) -> Step:
+    """One BiLD iteration (:data:`BILD`): the draft ("little") writes tokens from warp(q) until its top
+    probability for the next token falls below tau1 (fallback) or gamma tokens are out; the target ("big")
+    scores them in one forward, keeps those before the first whose NLL exceeds tau2, and adds its own token.
+
+    Not exact in distribution: a kept draft token is the draft's draw, merely vetted by the target."""
+    return BILD(st)
 
 
 SPEC = MethodSpec(

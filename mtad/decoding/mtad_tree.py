@@ -6,9 +6,10 @@ import math
 
 import torch
 
-from mtad.decoding.autoregressive import ar_step
-from mtad.decoding.beams import beam_draft
-from mtad.decoding.multidraft import kept_lengths, layout, tree_verified, verified
+from mtad.decoding.beams import Beams, beam_draft
+from mtad.decoding.iteration import Iteration, Verdict
+from mtad.decoding.mtad import record_beams
+from mtad.decoding.multidraft import Verified, kept_lengths, layout, tree_verified, verified
 from mtad.decoding.rules import mtad_accept_length_t
 from mtad.decoding.spec import MethodSpec
 from mtad.decoding.state import DecodeState, kept_logprobs, to_host
@@ -17,28 +18,26 @@ from mtad.sampling import pick
 from mtad.settings import PARAMS
 
 
-def mtad_tree_step(st: DecodeState) -> Step:
-    """Beam-draft W beams, score all of them in one target forward (a token tree where the attention
-    kernel allows, else W batch rows: :func:`mtad.decoding.multidraft.layout`), keep the beam with the longest
-    passing prefix (ties: the draft's best beam, then the lowest index) plus one target token.
+def verify_beams(st: DecodeState, beams: Beams) -> Verified:
+    """Score every beam in one target forward: a token tree where the attention kernel allows, else W batch
+    rows (:func:`mtad.decoding.multidraft.layout`).
 
-    With W = 1 this is MTAD exactly: the same draws, the same forward, the same rule."""
-    g = st.draft_length()
-    if g <= 0:
-        return ar_step(st)
-    t0 = st.begin()
-    beams = beam_draft(st, g)  # leaves the draft cache on the best beam's row
-    width = beams.tokens.shape[0]
-    # A beam of joint q = 0 is padding (warping left fewer than W candidates): it takes no part. The tree
-    # layout reads the beams' ids to merge their prefixes; their scores come in the same read, and the
-    # padding stays out of the target's forward. Every layout zeroes its accepted length.
-    live = torch.isfinite(beams.scores)
+    A beam of joint q = 0 is padding (warping left fewer than W candidates): it takes no part. The tree
+    layout reads the beams' ids to merge their prefixes (this method's second host read); their scores
+    come in the same read, and the padding stays out of the target's forward."""
+    width, g = beams.tokens.shape
     if layout(st, width) == "tree":
         ids, scores = to_host(beams.tokens, beams.scores)
         ids = [ids[i * g : (i + 1) * g] for i in range(width)]
-        checked = tree_verified(st, beams.tokens, ids, [math.isfinite(s) for s in scores])
-    else:
-        checked = verified(st, beams.tokens, "rows")
+        return tree_verified(st, beams.tokens, ids, [math.isfinite(s) for s in scores])
+    return verified(st, beams.tokens, "rows")
+
+
+def mtad_tree_accept(st: DecodeState, beams: Beams, checked: Verified) -> Verdict:
+    """MTAD's rule on every beam: keep the beam with the longest passing prefix (ties: the draft's best
+    beam, then the lowest index; padding never), then the target's token after it."""
+    width, g = beams.tokens.shape
+    live = torch.isfinite(beams.scores)  # every layout zeroes a padded beam's accepted length
     logits = torch.stack([torch.stack([checked.at(w, i) for i in range(g + 1)]) for w in range(width)])
     log_p = st.judged(logits)
     lp_x = log_p[:, :g].gather(2, beams.tokens[:, :, None])[:, :, 0]
@@ -51,34 +50,34 @@ def mtad_tree_step(st: DecodeState) -> Step:
     eta = etas.index_select(0, row)[0]
     log_p_row = log_p.index_select(0, row)[0]
     extra = pick(log_p_row.index_select(0, eta.view(1))[0], st.settings, st.generator)
-    kept_lp = kept_logprobs(logits.index_select(0, row)[0], beams.tokens.index_select(0, row)[0], eta, extra)
+    draft = beams.tokens.index_select(0, row)[0]
+    kept_lp = kept_logprobs(logits.index_select(0, row)[0], draft, eta, extra)
     jp_row, jq_row = joint_p.index_select(0, row)[0], joint_q.index_select(0, row)[0]
-    host = to_host(beams.tokens, beams.scores, beams.best, jp_row, jq_row, chosen, eta, extra, kept_lp)
-    all_beams, scores, best, jp, jq, chosen_i, eta_i, extra_i, kept_lps = host
-    all_beams = [all_beams[i * g : (i + 1) * g] for i in range(width)]
-    checked.keep(chosen_i, eta_i)
-    if chosen_i != best:  # the draft cache holds the best beam: keep only what it shares with the chosen one
-        shared = kept_lengths([all_beams[best]], all_beams[chosen_i])[0]
-        st.draft.rollback(len(st.ids) + shared)
-    draft_ids = all_beams[chosen_i]
-    step = Step(
-        index=0,
-        method=st.settings.method,
-        draft_ids=draft_ids,
-        log_p=jp,
-        log_q=jq,
-        accepted=eta_i,
-        from_target=[False] * eta_i + [True],
-        target_logprobs=kept_lps[: eta_i + 1],
-        beams=all_beams,
-        beam_scores=scores,
-        best_beam=best,
-        candidates=all_beams,
-        chosen=chosen_i,
-        candidate_kept=kept_lengths(all_beams, draft_ids[:eta_i]),
-        draft_calls=g,
-    )
-    return st.finish(t0, step, draft_ids[:eta_i] + [extra_i], eta_i)
+
+    def record(step: Step, values: list) -> None:
+        """Every beam as a candidate, the chosen one; both caches reduced to what the chosen beam keeps."""
+        record_beams(step, values)
+        all_beams, chosen_i = step.beams, values[3]
+        checked.keep(chosen_i, step.accepted)
+        if chosen_i != step.best_beam:  # the draft cache holds the best beam: keep what it shares with the chosen
+            shared = kept_lengths([all_beams[step.best_beam]], all_beams[chosen_i])[0]
+            st.draft.rollback(len(st.ids) + shared)
+        step.candidates, step.chosen = all_beams, chosen_i
+        step.candidate_kept = kept_lengths(all_beams, step.draft_ids[: step.accepted])
+
+    more = (beams.tokens, beams.scores, beams.best, chosen)
+    return Verdict(draft, jp_row, jq_row, eta, extra, kept_lp, draft_calls=g, more=more, record=record)
+
+
+MTAD_TREE = Iteration(propose=beam_draft, verify=verify_beams, accept=mtad_tree_accept)
+"""Beam-draft W beams (the draft cache left on the best one's row), verify all of them, keep the best prefix."""
+
+
+def mtad_tree_step(st: DecodeState) -> Step:
+    """One iteration of :data:`MTAD_TREE`: the beam with the longest passing prefix, plus one target token.
+
+    With W = 1 this is MTAD exactly: the same draws, the same forward, the same rule."""
+    return MTAD_TREE(st)
 
 
 SPEC = MethodSpec(

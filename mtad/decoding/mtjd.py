@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from mtad.decoding.autoregressive import ar_step
 from mtad.decoding.beams import Beams, beam_search
+from mtad.decoding.iteration import read
 from mtad.decoding.spec import MethodSpec
-from mtad.decoding.state import DecodeState, to_host
+from mtad.decoding.state import DecodeState
 from mtad.events import Step
 from mtad.settings import PARAMS
 
@@ -45,12 +46,9 @@ def mtjd_step(st: DecodeState) -> Step:
         return ar_step(st)
     t0 = st.begin()
     beams = target_beams(st, k)
-    row = beams.best.view(1)  # index_select, not [0-d tensor] indexing, which reads the index on the host
-    joint = beams.token_logp.index_select(0, row)[0].cumsum(0)
-    raw = beams.token_raw.index_select(0, row)[0]
-    all_beams, scores, best, jp, raw_lps = to_host(beams.tokens, beams.scores, beams.best, joint, raw)
-    width = len(scores)
-    all_beams = [cut_at_eos(all_beams[i * k : (i + 1) * k], st.eos_ids) for i in range(width)]
+    joint, raw = beams.of_best(beams.token_logp).cumsum(0), beams.of_best(beams.token_raw)
+    all_beams, scores, best, jp, raw_lps = read(beams.tokens, beams.scores, beams.best, joint, raw)
+    all_beams = [cut_at_eos(beam, st.eos_ids) for beam in all_beams]
     block = all_beams[best]
     step = Step(
         index=0,

@@ -1,5 +1,6 @@
-"""Several draft sequences verified in one target forward: i.i.d. drafting, the batch-of-rows
-forward, and the position-by-position walk that Spectr (K-SEQ) and SpecInfer (MSS) share.
+"""Several draft sequences verified in one target forward: the batch-of-rows and token-tree forwards,
+and the position-by-position walk that Spectr (K-SEQ) and SpecInfer (MSS) share, as one
+:class:`mtad.decoding.iteration.Iteration` (:func:`multi_draft`) over i.i.d. drafts.
 
 Two layouts for the one target forward (:func:`layout`):
 - ``tree`` (default): one row, the candidates merged into a token tree (shared prefixes once) with a
@@ -25,8 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mtad.decoding.autoregressive import ar_step
-from mtad.decoding.state import DecodeState, to_host
+from mtad.decoding.iteration import Drafts, Iteration, Verdict, iid_draft, logprobs_of
+from mtad.decoding.state import DecodeState
 from mtad.decoding.tree import TokenTree, keep_path, verify_tree
 from mtad.events import Step
 from mtad.models.cpu_attention import NAME as CPU_SDPA
@@ -81,30 +82,6 @@ def residual_top(dist: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``TOP`` likeliest tokens of a distribution and their probabilities, on the device."""
     top = dist.topk(min(TOP, dist.numel()))
     return top.values, top.indices
-
-
-@dataclass
-class Drafts:
-    """m draft sequences [m, g] and the draft's distributions they were drawn from [m, g, V]."""
-
-    tokens: torch.Tensor
-    log_q: torch.Tensor
-
-
-def iid_draft(st: DecodeState, g: int, m: int) -> Drafts:
-    """m independent sequences of g tokens from warp(q) (argmax when greedy), one batched draft
-    forward per position; the draft cache is left with m rows (see :func:`keep_row`)."""
-    pending = st.pending(st.draft)
-    st.draft.cache.fan_out(m)
-    tokens = pending.expand(m, -1)
-    drafted, q_rows = [], []
-    for _ in range(g):
-        lq = st.draft_logq(tokens)  # [m, C] over the draft's columns
-        tok = st.draft_tokens(lq.argmax(dim=-1) if st.settings.is_greedy else sample(probs(lq), st.generator))
-        drafted.append(tok)
-        q_rows.append(lq)
-        tokens = tok[:, None]
-    return Drafts(tokens=torch.stack(drafted, dim=1), log_q=st.draft_full(torch.stack(q_rows, dim=1)))
 
 
 def verify_rows(st: DecodeState, drafts: torch.Tensor) -> torch.Tensor:
@@ -247,16 +224,10 @@ def verified(st: DecodeState, drafts: torch.Tensor, how: str | None = None) -> V
     return (tree_verified if how == "tree" else rows_verified)(st, drafts)
 
 
-def multi_step(st: DecodeState, rule: Rule, how: str | None = None) -> Step:
-    """One iteration of a multi-draft method: m i.i.d. drafts, one target forward (``how``: ``rows``
-    or ``tree``, default :func:`layout`), the walk with ``rule``; appends the accepted prefix of the
-    followed candidate plus one target token."""
-    g = st.draft_length()
-    if g <= 0:
-        return ar_step(st)
-    t0 = st.begin()
-    drafts = iid_draft(st, g, st.settings.num_drafts)
-    checked = verified(st, drafts.tokens, how)
+def walk_accept(st: DecodeState, drafts: Drafts, checked: Verified, rule: Rule) -> Verdict:
+    """The walk with ``rule`` down the candidates (host-side: it reads p and q as it goes); the accepted
+    prefix of the followed candidate plus one target token, both caches reduced to that candidate."""
+    g = drafts.tokens.shape[1]
     cands = drafts.tokens.tolist()
 
     @functools.cache  # the walk reads only the positions along its path, each at most twice
@@ -278,29 +249,45 @@ def multi_step(st: DecodeState, rule: Rule, how: str | None = None) -> Step:
     lp_x = st.judged(rows[:g]).gather(1, draft[:, None])[:, 0]
     lq_x = drafts.log_q[w].gather(1, draft[:, None])[:, 0]
     kept = cands[w][:n] + [out.extra]
-    kept_lp = torch.log_softmax(rows[: n + 1], dim=-1)[
-        torch.arange(n + 1, device=st.device), torch.tensor(kept, device=st.device)
-    ]
-    flat = [t for trial in trials for t in trial.tensors()]
-    jp, jq, kept_lps, *values = to_host(lp_x.cumsum(0), lq_x.cumsum(0), kept_lp, *flat)
-    walked = []
-    for trial in trials:
-        n_t = len(trial.tensors())
-        walked.append(trial.to_dict(values[:n_t]))
-        values = values[n_t:]
-    step = Step(
-        index=0,
-        method=st.settings.method,
-        draft_ids=cands[w],
-        log_p=jp,
-        log_q=jq,
-        accepted=n,
-        from_target=[False] * n + [True],
-        target_logprobs=kept_lps,
-        candidates=cands,
-        chosen=w,
-        candidate_kept=kept_lengths(cands, kept[:n]),
-        walk=walked,
-        draft_calls=g,
+    kept_lp = logprobs_of(rows[: n + 1], torch.tensor(kept, device=st.device))
+
+    def record(step: Step, values: list) -> None:
+        """Every candidate, the followed one, and the walk as the page's panel reads it."""
+        walked = []
+        for trial in trials:
+            n_t = len(trial.tensors())
+            walked.append(trial.to_dict(values[:n_t]))
+            values = values[n_t:]
+        step.candidates, step.chosen, step.walk = cands, w, walked
+        step.candidate_kept = kept_lengths(cands, kept[:n])
+
+    more = [t for trial in trials for t in trial.tensors()]
+    return Verdict(
+        cands[w], lp_x.cumsum(0), lq_x.cumsum(0), n, out.extra, kept_lp, draft_calls=g, more=more, record=record
     )
-    return st.finish(t0, step, kept, n)
+
+
+def iid_drafts(st: DecodeState, g: int) -> Drafts:
+    """``num_drafts`` i.i.d. drafts of g tokens (:func:`mtad.decoding.iteration.iid_draft`)."""
+    return iid_draft(st, g, st.settings.num_drafts)
+
+
+def verify_drafts(st: DecodeState, drafts: Drafts, how: str | None = None) -> Verified:
+    """Every draft's target logits from one forward, laid out as ``how`` (default :func:`layout`)."""
+    return verified(st, drafts.tokens, how)
+
+
+def multi_draft(rule: Rule, how: str | None = None) -> Iteration:
+    """A multi-draft method's iteration: m i.i.d. drafts, one target forward (``how``: ``rows`` or ``tree``,
+    default :func:`layout`), the walk with ``rule``; it appends the accepted prefix of the followed
+    candidate plus one target token."""
+    return Iteration(
+        propose=iid_drafts,
+        verify=functools.partial(verify_drafts, how=how),
+        accept=functools.partial(walk_accept, rule=rule),
+    )
+
+
+def multi_step(st: DecodeState, rule: Rule, how: str | None = None) -> Step:
+    """One iteration of :func:`multi_draft` with ``rule``."""
+    return multi_draft(rule, how)(st)

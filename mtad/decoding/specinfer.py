@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from mtad.decoding.multidraft import Trial, multi_step, residual_top
+from mtad.decoding.multidraft import Trial, multi_draft, residual_top
 from mtad.decoding.spec import MethodSpec
 from mtad.decoding.state import DecodeState
 from mtad.events import Step
@@ -40,9 +40,13 @@ def mss(
     return None, p
 
 
+SPECINFER = multi_draft(mss)
+"""m i.i.d. drafts verified in one target forward (a token tree), walked with MSS."""
+
+
 def specinfer_step(st: DecodeState) -> Step:
     """One SpecInfer iteration: ``num_drafts`` i.i.d. drafts of gamma tokens, MSS down their token tree."""
-    return multi_step(st, mss)
+    return SPECINFER(st)
 
 
 SPEC = MethodSpec(

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from mtad.decoding.multidraft import Trial, multi_step, residual_top
+from mtad.decoding.multidraft import Trial, multi_draft, residual_top
 from mtad.decoding.spec import MethodSpec
 from mtad.decoding.state import DecodeState
 from mtad.events import Step
@@ -69,9 +69,13 @@ def kseq(
     return None, residual
 
 
+SPECTR = multi_draft(kseq)
+"""m i.i.d. drafts verified in one target forward, walked with K-SEQ."""
+
+
 def spectr_step(st: DecodeState) -> Step:
     """One Spectr iteration: ``num_drafts`` i.i.d. drafts of gamma tokens, K-SEQ along the tree they span."""
-    return multi_step(st, kseq)
+    return SPECTR(st)
 
 
 SPEC = MethodSpec(

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from mtad.decoding.autoregressive import ar_step
+from mtad.decoding.iteration import Drafts, Iteration, Verdict, iid_draft, verify_row
 from mtad.decoding.rules import sd_accept_length_t
 from mtad.decoding.spec import MethodSpec
-from mtad.decoding.state import DecodeState, kept_logprobs, to_host
+from mtad.decoding.state import DecodeState, kept_logprobs
 from mtad.events import Step
 from mtad.sampling import probs, sample
 from mtad.settings import PARAMS
@@ -18,26 +18,12 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return (p - q).clamp_min(0)
 
 
-def sd_step(st: DecodeState) -> Step:
-    """Draft g tokens from warp(q), verify in one target forward, accept with min(1, p/q)."""
-    g = st.draft_length()
-    if g <= 0:
-        return ar_step(st)
-    t0 = st.begin()
+def sd_accept(st: DecodeState, drafts: Drafts, logits: torch.Tensor) -> Verdict:
+    """Accept draft i with min(1, p/q) until the first rejection; then resample from the residual, or
+    after g accepted drafts draw the bonus token from p. Greedy: keep drafts while they are argmax p."""
+    draft, log_q = drafts.tokens[0], drafts.log_q[0]
+    g = draft.numel()
     greedy = st.settings.is_greedy
-
-    tokens = st.pending(st.draft)
-    drafted, q_rows = [], []
-    for _ in range(g):
-        lq = st.draft_logq(tokens)[0]
-        tok = st.draft_tokens(lq.argmax() if greedy else sample(probs(lq), st.generator))
-        drafted.append(tok)
-        q_rows.append(lq)
-        tokens = tok.view(1, 1)
-    draft = torch.stack(drafted)
-    log_q = st.draft_full(torch.stack(q_rows))
-
-    logits = st.run_target(draft)
     log_p = st.judged(logits)
     lp_x = log_p[:g].gather(1, draft[:, None])[:, 0]
     lq_x = log_q.gather(1, draft[:, None])[:, 0]
@@ -55,25 +41,17 @@ def sd_step(st: DecodeState) -> Step:
         p, q = probs(log_p), probs(log_q)
         table = torch.cat([residual(p[:g], q), p[g:]], dim=0).index_select(0, row)[0]
         extra = sample(torch.where(table.sum() > 0, table, p.index_select(0, row)[0]), st.generator)
-
     kept_lp = kept_logprobs(logits, draft, n, extra)
-    draft_ids, jp, jq, n_i, extra_i, kept_lps, us = to_host(
-        draft, lp_x.cumsum(0), lq_x.cumsum(0), n, extra, kept_lp, uniforms
-    )
+    return Verdict(draft, lp_x.cumsum(0), lq_x.cumsum(0), n, extra, kept_lp, draft_calls=g, uniforms=uniforms)
 
-    step = Step(
-        index=0,
-        method="sd",
-        draft_ids=draft_ids,
-        log_p=jp,
-        log_q=jq,
-        accepted=n_i,
-        from_target=[False] * n_i + [True],
-        target_logprobs=kept_lps[: n_i + 1],
-        uniforms=us,
-        draft_calls=g,
-    )
-    return st.finish(t0, step, draft_ids[:n_i] + [extra_i], n_i)
+
+SD = Iteration(propose=iid_draft, verify=verify_row, accept=sd_accept)
+"""Draft g tokens from warp(q), verify them in one target forward, accept with min(1, p/q)."""
+
+
+def sd_step(st: DecodeState) -> Step:
+    """One speculative sampling iteration (:data:`SD`)."""
+    return SD(st)
 
 
 SPEC = MethodSpec(
