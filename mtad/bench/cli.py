@@ -17,6 +17,7 @@ from mtad.bench.run import Case, build_cases, run_bench
 from mtad.cli import add_pair_args, add_sampling_args, load_pair_from_args, sampling_settings
 from mtad.decoding import encode_prompt
 from mtad.decoding.spec import method_names, registry
+from mtad.decoding.static_lm import warm_up
 from mtad.energy import EnergyMeter
 from mtad.models.presets import default_pair_name, presets
 from mtad.prompts import Prompt, read_prompts
@@ -171,6 +172,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     meter = EnergyMeter(pair.device)
     commit = git_commit()
+    compile_seconds = None
+    if pair.engine == "compiled":  # compile every shape AR and the verifications need before timing
+        longest = max(c.settings.gamma for c in cases) + 1
+        compile_seconds = warm_up(pair.target, pair.vocab_size, longest)
+        print(f"compiled engine: {compile_seconds:.0f} s to compile 1 to {longest} tokens", file=sys.stderr)
     result = run_bench(
         pair,
         cases,
@@ -197,6 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(table)
     if out is not None:
         env = environment(pair, argv, meter.reason, meter.source, commit)
+        env["compile_seconds"] = compile_seconds
         env["prompt_format"] = "chat template, one user turn" if pair.chat and not args.raw else "raw text"
         config = {
             "methods": sorted({c.method for c in cases}, key=method_names().index),

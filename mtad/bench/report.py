@@ -159,6 +159,7 @@ def environment(
         "torch_threads": torch.get_num_threads(),
         "dtype": str(pair.dtype).replace("torch.", ""),
         "linear_kernels": dict(pair.kernels),
+        "engine": pair.engine,
         "cpu_flags": cpu_flags() if dev.type == "cpu" else None,
         "pair": pair.name,
         "draft_parameters": draft_params,

@@ -12,16 +12,15 @@ length: slots past it are masked and overwritten.
 
 from __future__ import annotations
 
-import os
+import time
 from typing import Any
 
 import torch
 import torch._dynamo
-import torch._inductor.config
 
-from mtad.models.static_llama import compiled_forward, llama_forward, supports
+from mtad.models.static_llama import FEW_QUERIES, layer_weights, llama_forward, supports
 
-COMPILED_TOKENS = 16
+COMPILED_TOKENS = FEW_QUERIES
 COMPILED_ROWS = 16
 CAPACITY_STEP = 256
 
@@ -51,6 +50,7 @@ class StaticKV:
     def capacity(self) -> int:
         return self.keys[0].shape[2] if self.keys else 0
 
+    @torch.inference_mode()  # the buffers are inference tensors, changed in place
     def reserve(self, rows: int, length: int) -> None:
         """Make room for ``length`` positions in ``rows`` rows, keeping what is held (capacity grows in
         steps of :data:`CAPACITY_STEP`, so buffers are rarely remade)."""
@@ -78,6 +78,7 @@ class StaticKV:
         if rows > 1 and self.length and self.rows != rows:
             self.reserve(rows, self.length)
 
+    @torch.inference_mode()  # the buffers are inference tensors, changed in place
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep the rows ``index`` (a device tensor, so no host read) in that order."""
         if not self.length:
@@ -101,6 +102,7 @@ class StaticKV:
         """Row i becomes old row ``parent[i]`` (beam search; from one row this also fans out)."""
         self.select_rows(parent)
 
+    @torch.inference_mode()  # the buffers are inference tensors, changed in place
     def keep_positions(self, keep: list[int]) -> None:
         """Keep only the positions ``keep`` (in order), e.g. the context and one path of a token tree."""
         idx = torch.tensor(keep, device=self.device)
@@ -116,7 +118,7 @@ class StaticKV:
 class StaticLM:
     """:class:`~mtad.decoding.state.CachedLM` on the compiled engine: same calls, a static cache."""
 
-    def __init__(self, model: torch.nn.Module, vocab: int) -> None:
+    def __init__(self, model: torch.nn.Module, vocab: int, compile: bool = True) -> None:
         why = supports(model)
         if why:
             raise ValueError(f"the compiled engine cannot run this model: {why}")
@@ -125,7 +127,8 @@ class StaticLM:
         param = next(model.parameters())
         self.cache = StaticKV(model.config, param.dtype, param.device)
         self.columns: torch.Tensor | None = None
-        self.compile = os.environ.get("MTAD_COMPILE", "1") != "0"
+        self.compile = compile  # False: the same forward, uncompiled (what a prefill runs)
+        self.layers = [layer_weights(layer) for layer in model.model.layers]
 
     @property
     def length(self) -> int:
@@ -158,12 +161,21 @@ class StaticLM:
         dev = self.cache.device
         slots = torch.arange(past, past + n, device=dev)
         mask = allow.to(dev)
-        args = (tokens, positions.to(dev), slots, mask, self.cache.keys, self.cache.values, keep)
-        if self.compile and past and n <= COMPILED_TOKENS and rows <= COMPILED_ROWS:
-            torch._dynamo.mark_dynamic(mask, 1)
-            with torch._inductor.config.patch(freezing=True):  # weights as constants, prepacked by inductor
-                logits = compiled_forward(self.model)(*args)
-        else:
-            logits = llama_forward(self.model, *args)
+        compiled = self.compile and past > 0 and n <= COMPILED_TOKENS and rows <= COMPILED_ROWS
+        args = (tokens, positions.to(dev), slots, mask, self.cache.keys, self.cache.values, keep, self.layers)
+        logits = llama_forward(self.model, *args, compiled=compiled)
         self.cache.length = past + n
         return logits[..., : self.vocab].float()
+
+
+def warm_up(model: torch.nn.Module, vocab: int, tokens: int, rows: int = 1) -> float:
+    """Compile the forwards of ``rows`` rows and 1 … ``tokens`` new tokens (AR's step and every
+    verification up to γ = tokens − 1) before anyone waits on them; the seconds it took."""
+    t0 = time.perf_counter()
+    lm = StaticLM(model, vocab)
+    device = next(model.parameters()).device
+    lm.feed(torch.zeros((rows, 1), dtype=torch.long, device=device))  # a context: compiled shapes follow one
+    for n in range(1, min(tokens, COMPILED_TOKENS) + 1):
+        lm.feed(torch.zeros((rows, n), dtype=torch.long, device=device), keep=n)
+        lm.rollback(1)
+    return time.perf_counter() - t0

@@ -11,16 +11,16 @@ so inductor prepacks them for its own CPU kernels.
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import torch
 import torch._dynamo
-import torch._inductor.config
 from torch.nn import functional as F
 
 from mtad.models.errors import PairError
 
 ENGINES = ("eager", "compiled")
+FEW_QUERIES = 16
+"""Up to this many queries a row, attention is two products and a softmax; beyond, the fused kernel."""
 
 
 def resolve_engine(engine: str | None) -> str:
@@ -42,9 +42,114 @@ def supports(model: torch.nn.Module) -> str | None:
     attn = layers[0].self_attn
     if not all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")):
         return f"{type(attn).__name__} is not a Llama attention layer"
-    if getattr(model.config, "sliding_window", None):
+    cfg = model.config
+    if getattr(cfg, "sliding_window", None):
         return "sliding-window attention is not supported by the compiled engine"
+    if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
+        return "biased projections are not supported by the compiled engine"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"the {cfg.hidden_act} activation is not supported by the compiled engine (SiLU only)"
     return None
+
+
+@torch.library.custom_op("mtad::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``x @ W.T`` with ``W`` prepacked for oneDNN (``mtad.models.kernels``): one opaque call to the
+    compiler, which cannot lower a packed weight that comes in as an input rather than a constant."""
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    return torch.ops.mkldnn._linear_pointwise(flat, packed, None, "none", [], "").reshape(*x.shape[:-1], out_features)
+
+
+@packed_linear.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+def layer_weights(layer: torch.nn.Module) -> tuple[tuple[torch.Tensor, ...], bool]:
+    """A decoder layer's tensors in :func:`decoder_layer`'s order (two norms, q, k, v, o, gate, up, down),
+    each product's weight as its kernel runs it (oneDNN's packed copy, else the matrix), and whether packed."""
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    packed = all(callable(getattr(lin, "packed", None)) for lin in linears)
+    mats = tuple(lin.packed() if packed else lin.weight for lin in linears)
+    return (layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *mats), packed
+
+
+def decoder_layer(
+    h: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    mask: torch.Tensor,
+    slots: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    weights: tuple[torch.Tensor, ...],
+    packed: bool,
+    widths: tuple[int, ...],
+    head_dim: int,
+    scaling: float,
+    eps: float,
+) -> torch.Tensor:
+    """One Llama decoder layer over ``h`` [rows, n, hidden] (transformers' ``LlamaDecoderLayer`` in one
+    function): keys and values written at ``slots`` of the buffers, attention over the first
+    ``mask.shape[-1]`` slots. ``widths``: the output width of each product (q, k, v, o, gate, up, down)."""
+    ln1, ln2, *mats = weights
+    q_w, k_w, v_w, o_w, g_w, u_w, d_w = mats
+    q_n, k_n, v_n, o_n, g_n, u_n, d_n = widths
+    rows, n, _ = h.shape
+
+    def lin(x: torch.Tensor, w: torch.Tensor, out: int) -> torch.Tensor:
+        return packed_linear(x, w, out) if packed else F.linear(x, w)
+
+    x = _rms_norm(h, ln1, eps)
+    q = lin(x, q_w, q_n).view(rows, n, -1, head_dim).transpose(1, 2)
+    k = lin(x, k_w, k_n).view(rows, n, -1, head_dim).transpose(1, 2)
+    v = lin(x, v_w, v_n).view(rows, n, -1, head_dim).transpose(1, 2)
+    q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    k_buf.index_copy_(2, slots, k)
+    v_buf.index_copy_(2, slots, v)
+    o = _attention(q, k_buf, v_buf, mask, scaling)
+    h = h + lin(o.transpose(1, 2).reshape(rows, n, -1), o_w, o_n)
+    x = _rms_norm(h, ln2, eps)
+    return h + lin(F.silu(lin(x, g_w, g_n)) * lin(x, u_w, u_n), d_w, d_n)
+
+
+def _attention(
+    q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, mask: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """Grouped-query attention of ``q`` [rows, heads, n, d] over the first ``mask.shape[-1]`` slots, as
+    two batched products and a softmax in fp32: for the few queries of decoding, the CPU's fused
+    attention kernel costs more in set-up than these (about 0.2 ms a layer, measured in bf16); longer
+    inputs (a prefill) take that kernel."""
+    rows, heads, n, d = q.shape
+    kv_heads, span = k_buf.shape[1], mask.shape[-1]
+    if n > FEW_QUERIES:  # a prefill: the fused kernel, which never holds the whole score matrix
+        return F.scaled_dot_product_attention(
+            q, k_buf[:, :, :span], v_buf[:, :, :span], attn_mask=mask, scale=scaling, enable_gqa=True
+        )
+    groups = heads // kv_heads
+    qg = q.reshape(rows, kv_heads, groups * n, d)  # head h reads kv head h // groups, as transformers repeats
+    scores = torch.matmul(qg, k_buf[:, :, :span].transpose(-1, -2)).float() * scaling
+    scores = scores.view(rows, kv_heads, groups, n, span).masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1).to(q.dtype).view(rows, kv_heads, groups * n, span)
+    return torch.matmul(weights, v_buf[:, :, :span]).view(rows, heads, n, d)
+
+
+def _rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' ``LlamaRMSNorm``: normalised in fp32, scaled in the input's dtype."""
+    x = h.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(h.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+# One compiled layer serves every layer of every model: its weights are inputs, so a new (rows, tokens)
+# shape compiles one layer's graph once, in seconds, not a whole model's.
+compiled_layer = torch.compile(decoder_layer)
 
 
 def llama_forward(
@@ -56,63 +161,29 @@ def llama_forward(
     keys: list[torch.Tensor],
     values: list[torch.Tensor],
     keep: int,
+    layers: list[tuple[tuple[torch.Tensor, ...], bool]],
+    compiled: bool = True,
 ) -> torch.Tensor:
-    """Logits [rows, keep, V] of the last ``keep`` of ``ids`` [rows, n] at rotary ``positions`` [n],
-    their keys and values written at cache ``slots`` [n]; ``mask`` [n, S] (True = attend) over the first
-    S slots. The model's own norms, activation, rotary embedding and weights; attention and the cache here."""
+    """Logits [rows, keep, V] of the last ``keep`` of ``ids`` [rows, n] at rotary ``positions`` [n], their
+    keys and values written at cache ``slots`` [n]; ``mask`` [n, S] (True = attend) over the first S slots.
+    ``layers``: :func:`layer_weights` of each layer. The model's own embedding, rotary embedding, final norm
+    and head run eagerly; each decoder layer runs :func:`decoder_layer`, compiled or not."""
     inner = model.model
-    rows, n = ids.shape
     h = inner.embed_tokens(ids)
     cos, sin = inner.rotary_emb(h, positions.view(1, -1))
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    span = mask.shape[-1]
-    for layer, k_buf, v_buf in zip(inner.layers, keys, values, strict=True):
-        attn = layer.self_attn
-        x = layer.input_layernorm(h)
-        q = _linear(attn.q_proj, x).view(rows, n, -1, attn.head_dim).transpose(1, 2)
-        k = _linear(attn.k_proj, x).view(rows, n, -1, attn.head_dim).transpose(1, 2)
-        v = _linear(attn.v_proj, x).view(rows, n, -1, attn.head_dim).transpose(1, 2)
-        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-        k_buf.index_copy_(2, slots, k)
-        v_buf.index_copy_(2, slots, v)
-        o = F.scaled_dot_product_attention(
-            q, k_buf[:, :, :span], v_buf[:, :, :span], attn_mask=mask, scale=attn.scaling, enable_gqa=True
-        )
-        h = h + _linear(attn.o_proj, o.transpose(1, 2).reshape(rows, n, -1))
-        mlp, x = layer.mlp, layer.post_attention_layernorm(h)
-        h = h + _linear(mlp.down_proj, mlp.act_fn(_linear(mlp.gate_proj, x)) * _linear(mlp.up_proj, x))
-    return _linear(model.lm_head, inner.norm(h[:, -keep:]))
-
-
-def _linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``layer``'s product as the plain ``F.linear`` of its weight (whichever eager kernel the layer was
-    given), which inductor prepacks for its own kernels when it freezes the weights."""
-    return F.linear(x, layer.weight, layer.bias)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-class _Forward(torch.nn.Module):
-    """``llama_forward`` as a module holding the model, so the compiler sees its weights as attributes it
-    may freeze (constants it prepacks), not as inputs."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, *args: Any) -> torch.Tensor:
-        return llama_forward(self.model, *args)
-
-
-def compiled_forward(model: torch.nn.Module) -> Any:
-    """``llama_forward`` of ``model`` compiled once per model and process (kept on the model)."""
-    fn = model.__dict__.get("_mtad_compiled_forward")
-    if fn is None:
-        # one compiled graph per (rows, tokens, keep) shape decoding meets; the attended length is dynamic
+    if compiled:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        fn = torch.compile(_Forward(model))
-        model.__dict__["_mtad_compiled_forward"] = fn
-    return fn
+        torch._dynamo.mark_dynamic(mask, 1)  # a longer context is the same graph
+    run = compiled_layer if compiled else decoder_layer
+    attn = inner.layers[0].self_attn
+    eps = inner.layers[0].input_layernorm.variance_epsilon
+    for layer, (weights, packed), k_buf, v_buf in zip(inner.layers, layers, keys, values, strict=True):
+        mods = layer.self_attn, layer.mlp
+        widths = tuple(
+            m.out_features
+            for m in (mods[0].q_proj, mods[0].k_proj, mods[0].v_proj, mods[0].o_proj)
+            + (mods[1].gate_proj, mods[1].up_proj, mods[1].down_proj)
+        )
+        h = run(h, cos, sin, mask, slots, k_buf, v_buf, weights, packed, widths, attn.head_dim, attn.scaling, eps)
+    return model.lm_head(inner.norm(h[:, -keep:]))

@@ -1,0 +1,131 @@
+"""The compiled engine: the target over a static key/value buffer gives the eager engine's logits (cached
+logits equal a full recompute, after rollbacks and row and position operations), its compiled shapes give
+greedy decoders that equal greedy AR token for token, and steady-state decoding never recompiles."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch._dynamo
+from conftest import full_logits
+from test_architectures import opt
+from test_tree import check_tree_forward
+
+from mtad.decoding import generate
+from mtad.decoding.state import CachedLM, DecodeState
+from mtad.decoding.static_lm import StaticLM
+from mtad.models.errors import PairError
+from mtad.models.static_llama import resolve_engine, supports
+from mtad.settings import Settings
+
+
+def feed_both(eager: CachedLM, static: StaticLM, tokens: list[list[int]], keep: int = 1) -> None:
+    """Feed the same tokens to both and check their logits agree."""
+    ids = torch.tensor(tokens)
+    torch.testing.assert_close(static.feed(ids, keep=keep), eager.feed(ids, keep=keep), rtol=1e-4, atol=1e-4)
+
+
+def test_static_forward_equals_a_full_recompute_after_rollbacks(tiny_pair) -> None:
+    ids = tiny_pair.encode("abc def gh abba cafe")
+    lm = StaticLM(tiny_pair.target, tiny_pair.vocab_size, compile=False)
+    lm.feed(torch.tensor([ids[:-4]]))
+    for i in range(len(ids) - 4, len(ids)):  # one token at a time
+        torch.testing.assert_close(
+            lm.feed(torch.tensor([[ids[i]]]))[0, -1], full_logits(tiny_pair.target, ids[: i + 1])
+        )
+    lm.rollback(len(ids) - 4)
+    block = lm.feed(torch.tensor([ids[-4:]]), keep=4)[0]  # a verification block, every position's logits
+    for j in range(4):
+        expected = full_logits(tiny_pair.target, ids[: len(ids) - 3 + j])
+        torch.testing.assert_close(block[j], expected, rtol=1e-5, atol=1e-5)
+    lm.rollback(5)  # far back: the stale slots past it must be masked, then overwritten
+    other = [7, 3, 9, 12]
+    logits = lm.feed(torch.tensor([other]), keep=1)[0, -1]
+    torch.testing.assert_close(logits, full_logits(tiny_pair.target, ids[:5] + other), rtol=1e-5, atol=1e-5)
+    assert lm.length == 9
+
+
+def test_capacity_grows_without_losing_the_context(tiny_pair) -> None:
+    lm = StaticLM(tiny_pair.target, tiny_pair.vocab_size, compile=False)
+    ids = [(7 * i) % 50 + 1 for i in range(300)]  # past the first capacity step (256)
+    lm.feed(torch.tensor([ids[:250]]))
+    assert lm.cache.capacity == 256
+    logits = lm.feed(torch.tensor([ids[250:]]), keep=1)[0, -1]
+    assert lm.cache.capacity == 512
+    torch.testing.assert_close(logits, full_logits(tiny_pair.target, ids), rtol=1e-4, atol=1e-4)
+
+
+def test_row_and_position_operations_match_the_eager_cache(tiny_pair) -> None:
+    """Fan out, reorder (beam search), keep a row and keep a tree path: afterwards both caches give the
+    same logits for the same tokens."""
+    ids = tiny_pair.encode("abc def gh")
+    eager = CachedLM(tiny_pair.target, tiny_pair.vocab_size)
+    static = StaticLM(tiny_pair.target, tiny_pair.vocab_size, compile=False)
+    feed_both(eager, static, [ids])
+    for lm in (eager, static):
+        lm.cache.fan_out(3)
+    assert static.cache.rows == 3
+    feed_both(eager, static, [[5], [6], [7]])
+    parent = torch.tensor([2, 0, 0])
+    for lm in (eager, static):
+        lm.cache.reorder(parent)
+    feed_both(eager, static, [[8], [9], [10]], keep=1)
+    for lm in (eager, static):
+        lm.cache.keep_row(1)
+    assert static.cache.rows == 1
+    feed_both(eager, static, [[11, 12]], keep=2)
+    keep = list(range(len(ids))) + [len(ids) + 1, len(ids) + 3]
+    for lm in (eager, static):
+        lm.cache.keep_positions(keep)
+    assert static.length == eager.length == len(keep)
+    feed_both(eager, static, [[13]])
+
+
+def test_tree_verification_on_the_compiled_engine(tiny_pair) -> None:
+    check_tree_forward(dataclasses.replace(tiny_pair, engine="compiled"))
+
+
+GREEDY = [
+    Settings(method="ar", greedy=True, max_new_tokens=24),
+    Settings(method="sd", greedy=True, gamma=4, max_new_tokens=24),
+    Settings(method="mtad", greedy=True, gamma=4, beams=3, max_new_tokens=24),
+    Settings(method="mtad-tree", greedy=True, gamma=3, beams=3, max_new_tokens=24),
+    Settings(method="specinfer", greedy=True, gamma=3, num_drafts=3, max_new_tokens=24),
+    Settings(method="mtjd", greedy=True, gamma=2, beams=2, max_new_tokens=12),
+]
+
+
+def test_decoders_on_the_compiled_engine_give_the_eager_engine_s_text_and_never_recompile(close_pair) -> None:
+    """Every decoder writes on the compiled engine what it writes on the eager one (greedy, and sampled with
+    the same seed), so the exact ones equal greedy AR; a second prompt, with a different context length,
+    runs on the shapes the first compiled: no recompilation."""
+    compiled = dataclasses.replace(close_pair, engine="compiled")
+    torch._dynamo.reset()
+    for prompt in ("abc def", "abc def gh abc bad cafe fed"):
+        ar = generate(close_pair, prompt, GREEDY[0]).new_ids
+        assert len(ar) > 10
+        for settings in GREEDY + [dataclasses.replace(s, greedy=False, seed=3) for s in GREEDY[1:3]]:
+            with torch._dynamo.config.patch(error_on_recompile=prompt != "abc def"):
+                got = generate(compiled, prompt, settings).new_ids
+            assert got == generate(close_pair, prompt, settings).new_ids, settings
+            if settings.greedy and settings.method in ("ar", "sd", "specinfer"):
+                assert got == ar[: settings.max_new_tokens], settings.method
+    assert torch._dynamo.utils.counters["frames"]["ok"] > 0  # the compiled path ran
+    st = DecodeState.start(compiled, close_pair.encode("abc"), GREEDY[1])
+    assert isinstance(st.target, StaticLM) and isinstance(st.draft, CachedLM)
+
+
+def test_engine_choice_and_refusals(monkeypatch: pytest.MonkeyPatch, tiny_pair) -> None:
+    monkeypatch.delenv("MTAD_ENGINE", raising=False)
+    assert resolve_engine("compiled") == "compiled" and resolve_engine(None) == "eager"
+    assert tiny_pair.engine == "eager" and supports(tiny_pair.target) is None
+    monkeypatch.setenv("MTAD_ENGINE", "compiled")
+    assert resolve_engine("auto") == "compiled"
+    with pytest.raises(PairError, match="engine must be auto or one of eager, compiled"):
+        resolve_engine("jit")
+    other = opt(64, 32, 1, 1)
+    assert "not a Llama-family" in supports(other)
+    with pytest.raises(ValueError, match="compiled engine cannot run this model"):
+        StaticLM(other, 64)
