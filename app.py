@@ -215,7 +215,10 @@ demo = build()
 
 
 def main(**launch_kwargs: object) -> None:
-    """Serve the page (tests pass ``prevent_thread_lock=True`` and a port)."""
+    """Serve the page (tests pass ``prevent_thread_lock=True`` and a port); on the compiled engine the
+    default pair loads and compiles in the background meanwhile."""
+    if runs.compiled_engine():
+        PAGE.pairs.preload(pickers.default_pair_name())
     demo.launch(css=CSS, theme=THEME, **launch_kwargs)
 
 

@@ -18,7 +18,7 @@ from mtad.decoding.state import CachedLM, DecodeState
 from mtad.decoding.static_lm import StaticLM
 from mtad.models.errors import PairError
 from mtad.models.static_llama import resolve_engine, supports
-from mtad.settings import Settings
+from mtad.settings import PARAMS, Settings
 
 
 def feed_both(eager: CachedLM, static: StaticLM, tokens: list[list[int]], keep: int = 1) -> None:
@@ -129,3 +129,20 @@ def test_engine_choice_and_refusals(monkeypatch: pytest.MonkeyPatch, tiny_pair) 
     assert "not a Llama-family" in supports(other)
     with pytest.raises(ValueError, match="compiled engine cannot run this model"):
         StaticLM(other, 64)
+
+
+def test_the_page_s_pairs_load_compiled_and_warm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``MTAD_ENGINE=compiled`` the page's pair cache loads the pair on the compiled engine and compiles
+    every one-row shape the page can ask for (γ up to its maximum) before a visitor's run: none recompiles."""
+    from mtad.ui.runner import PairCache
+
+    monkeypatch.setenv("MTAD_ENGINE", "compiled")
+    cache = PairCache(1)
+    cache.preload("embedded").join()
+    pair = cache.peek("embedded")
+    assert pair is not None and pair.engine == "compiled"
+    top = int(PARAMS["gamma"].widget_range[1])
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for method, gamma in (("ar", 1), ("sd", top), ("mtad", top)):
+            run = generate(pair, "abc def", Settings(method=method, gamma=gamma, max_new_tokens=40, seed=1))
+            assert len(run.new_ids) > 0

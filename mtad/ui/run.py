@@ -123,6 +123,11 @@ def _run(session: str, form: RunForm) -> Iterator[tuple]:
         PAGE.line.leave(session)
 
 
+def compiled_engine() -> bool:
+    """True when the operator serves the page on the compiled engine (``MTAD_ENGINE=compiled``)."""
+    return os.environ.get("MTAD_ENGINE") == "compiled"
+
+
 def _generate(session: str, form: RunForm) -> Iterator[tuple]:
     prompt, pair_name, with_ar = form.prompt, form.pair_name, form.with_ar
     left, right = form.left, form.right
@@ -137,7 +142,8 @@ def _generate(session: str, form: RunForm) -> Iterator[tuple]:
         yield blank_outputs(stopped, "Stopped before start.", race)
         return
     if not PAGE.pairs.loaded(pair_name):
-        yield blank_outputs(message_html(), f"Loading the pair `{pair_name}` (first run only)…", race)
+        compiling = " and compiling its target for this machine, a minute or two" if compiled_engine() else ""
+        yield blank_outputs(message_html(), f"Loading the pair `{pair_name}`{compiling} (first run only)…", race)
     try:
         pair = PAGE.pairs.get(pair_name)
         prompt_ids = encode_prompt(pair, prompt, settings)

@@ -14,10 +14,11 @@ from collections.abc import Iterator
 import torch
 
 from mtad.decoding import decode
+from mtad.decoding.static_lm import warm_up
 from mtad.models.errors import PairError
 from mtad.models.pair import ModelPair, load_pair
 from mtad.models.presets import presets
-from mtad.settings import Settings
+from mtad.settings import PARAMS, Settings
 from mtad.ui.record import LaneEnergy, RunRecord
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,9 @@ class PairCache:
                 pair = None
                 try:
                     pair = load_pair(name)
+                    if pair.engine == "compiled":  # every one-row shape the page can ask for, before any visitor
+                        seconds = warm_up(pair.target, pair.vocab_size, int(PARAMS["gamma"].widget_range[1]) + 1)
+                        log.info("compiled the target of %s in %.0f s", name, seconds)
                 except torch.cuda.OutOfMemoryError:
                     pass  # released below: the traceback holds the half-loaded model until the handler ends
                 if pair is None:
@@ -69,6 +73,20 @@ class PairCache:
                     raise PairError(f"pair {name!r} does not fit in the GPU's memory; use a smaller pair")
             self._pairs[name] = pair
             return pair
+
+    def preload(self, name: str) -> threading.Thread:
+        """Load (and, on the compiled engine, compile) a pair in the background, so the first visitor finds
+        it ready; one who comes sooner waits for it behind the page's loading message."""
+
+        def load() -> None:
+            try:
+                self.get(name)
+            except PairError as exc:
+                log.warning("preloading %s failed: %s", name, exc)
+
+        thread = threading.Thread(target=load, daemon=True, name=f"mtad-preload-{name}")
+        thread.start()
+        return thread
 
 
 def free_device_memory() -> None:
