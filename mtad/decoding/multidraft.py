@@ -4,12 +4,9 @@ and the position-by-position walk that Spectr (K-SEQ) and SpecInfer (MSS) share,
 
 Two layouts for the one target forward (:func:`layout`):
 - ``tree`` (default): one row, the candidates merged into a token tree (shared prefixes once) with a
-  4-D tree attention mask and per-node positions (:mod:`mtad.decoding.tree`). Measured per forward
-  (m candidates x g=4, context 96, 1 CPU thread, median of 12, a shared machine so +-10%): embedded
-  pair m=4 rows 53 ms / tree 43 ms, m=4 with a 2-token shared prefix 46 / 38, m=8 (shared 2) 48 / 46,
-  m=2 34 / 42; SmolLM2-135M Q4_1 GGUF in bf16 (weight-bound) m=4 542 / 517, shared 2 582 / 357,
-  m=8 670 / 596, m=2 414 / 444. The tree feeds fewer tokens whenever drafts share a prefix (beams
-  nearly always do) and never copies the cache m times; rows win only for m=2 without sharing.
+  4-D tree attention mask and per-node positions (:mod:`mtad.decoding.tree`). The tree feeds fewer
+  tokens whenever drafts share a prefix (beams nearly always do) and never copies the cache m times;
+  rows won only for m=2 without sharing (docs/journal/2026-11-22-runtime-design-measurements.md).
 - ``rows``, the fallback: one batch row per candidate, the target's cache fanned out with
   ``KVCache.fan_out`` and reduced to the kept row with ``KVCache.keep_row``.
   It needs nothing but a standard cache, so it runs on any architecture and any attention
