@@ -4,6 +4,7 @@ greedy decoders that equal greedy AR token for token, and steady-state decoding 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -17,6 +18,7 @@ from mtad.decoding import generate
 from mtad.decoding.state import CachedLM, DecodeState
 from mtad.decoding.static_lm import StaticLM
 from mtad.models.errors import PairError
+from mtad.models.kernels import candidates, use_linear_kernel
 from mtad.models.static_llama import resolve_engine, supports
 from mtad.settings import PARAMS, Settings
 
@@ -146,3 +148,25 @@ def test_the_page_s_pairs_load_compiled_and_warm(monkeypatch: pytest.MonkeyPatch
         for method, gamma in (("ar", 1), ("sd", top), ("mtad", top)):
             run = generate(pair, "abc def", Settings(method=method, gamma=gamma, max_new_tokens=40, seed=1))
             assert len(run.new_ids) > 0
+
+
+@pytest.mark.parametrize("kernel", ["mkl", "onednn"])
+def test_both_product_layouts_compiled_equal_a_full_recompute(tiny_pair, kernel: str) -> None:
+    """Plain matrices (seven products a layer) and oneDNN-packed ones (q, k, v fused, gate and up fused),
+    compiled: the logits of one token and of a block equal a full recompute."""
+    if kernel == "onednn" and "onednn" not in candidates(torch.float32):
+        pytest.skip("needs PyTorch's oneDNN (mkldnn) build")
+    model = copy.deepcopy(tiny_pair.target)
+    use_linear_kernel(model, kernel)
+    ids = tiny_pair.encode("abc def gh abba cafe")
+    lm = StaticLM(model, tiny_pair.vocab_size)
+    lm.feed(torch.tensor([ids[:-5]]))
+    one = lm.feed(torch.tensor([ids[-5:-4]]))[0, -1]
+    torch.testing.assert_close(one, full_logits(tiny_pair.target, ids[:-4]), rtol=1e-4, atol=1e-4)
+    block = lm.feed(torch.tensor([ids[-4:]]), keep=4)[0]
+    for j in range(4):
+        expected = full_logits(tiny_pair.target, ids[: len(ids) - 3 + j])
+        torch.testing.assert_close(block[j], expected, rtol=1e-4, atol=1e-4)
+    assert (lm.layers[0][1] is True) == (kernel == "onednn")
+    eager = model(input_ids=torch.tensor([ids])).logits[0, -1]  # the layers' own packed copies come back
+    torch.testing.assert_close(eager, full_logits(tiny_pair.target, ids), rtol=1e-4, atol=1e-4)
