@@ -20,6 +20,12 @@ Usage::
 
     python -m training.onpolicy --stage train --minutes 150   # resumes <work>/state.pt, else the committed draft
     python -m training.onpolicy --stage export                # <work>/best -> assets/models/smollm2-draft
+    python -m training.onpolicy --stage evaluate              # the committed draft and <work>/best, held out
+
+A structural option: ``--grow N`` appends N decoder layers to the committed draft, copies of the
+target's next layers whose output projections start at zero, so the grown draft starts as exactly the
+committed one (:func:`grow`); ``--train-new-only`` freezes every committed parameter and trains the new
+layers alone, so nothing that converged drifts under a fresh optimiser.
 """
 
 from __future__ import annotations
@@ -126,6 +132,48 @@ def trainable(draft: Any) -> Any:
                 setattr(module, name, linear)
     draft.config.int8_layers = False
     return draft.train()
+
+
+def grow(draft: Any, target: Any, n: int, first: int | None = None) -> list[nn.Module]:
+    """Append ``n`` decoder layers after the draft's own, copies of the target's layers ``first``,
+    ``first + 1``, ... (default: the target layer after the draft's last, the draft having started from
+    the target's first layers), with the attention's ``o_proj`` and the MLP's ``down_proj`` zeroed.
+
+    A Llama layer adds its attention's and its MLP's outputs to the residual stream; with those two
+    projections zero it adds exactly 0, so the grown draft computes the same logits as before (bit for
+    bit) until training moves them; the copied norms, q/k/v and gate/up give the new layer the target's
+    features to start from (a LoRA-like zero start: its first steps move only the zeroed projections).
+    The config's ``num_hidden_layers`` follows, so the export saves and loads the new layers (int8 like
+    the others when ``save_draft`` quantises them). Returns the new layers."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    have = draft.config.num_hidden_layers
+    first = have if first is None else first
+    if first + n > len(target.model.layers):
+        raise ValueError(f"the target has {len(target.model.layers)} layers; cannot copy {first}..{first + n - 1}")
+    param = next(draft.parameters())
+    new = []
+    for i in range(n):
+        layer = LlamaDecoderLayer(draft.config, layer_idx=have + i).to(device=param.device, dtype=param.dtype)
+        source = target.model.layers[first + i].state_dict()
+        layer.load_state_dict({k: v.to(device=param.device, dtype=param.dtype) for k, v in source.items()})
+        with torch.no_grad():
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        layer.train(draft.training)
+        draft.model.layers.append(layer)
+        new.append(layer)
+    draft.config.num_hidden_layers = have + n
+    return new
+
+
+def train_only(draft: Any, layers: list[nn.Module]) -> list[nn.Parameter]:
+    """Freeze every parameter of the draft but those of ``layers`` (its embedding, shortlist head, final
+    norm and committed layers keep their exact values); returns the parameters left to train."""
+    keep = {id(p) for layer in layers for p in layer.parameters()}
+    for p in draft.parameters():
+        p.requires_grad_(id(p) in keep)
+    return [p for p in draft.parameters() if p.requires_grad]
 
 
 def load_draft(path: Path) -> Any:
@@ -270,14 +318,6 @@ def train(args: argparse.Namespace) -> None:
     target, tok = load_target()
     state_path = work / "state.pt"
     saved = torch.load(state_path, weights_only=False) if state_path.exists() else None
-    draft = load_draft(DRAFT if saved is None else work / "last")
-    opt = torch.optim.AdamW(draft.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98))
-    log: list[dict] = []
-    step, rnd, spent = 0, 0, 0.0
-    if saved:
-        if saved.get("opt"):
-            opt.load_state_dict(saved["opt"])
-        step, rnd, spent, log = saved["step"], saved["round"], saved["seconds"], saved["log"]
 
     held_path = work / "heldout.pt"
     if held_path.exists():
@@ -289,9 +329,34 @@ def train(args: argparse.Namespace) -> None:
             heldout += target_replies(target, tok, held_prompts[i : i + 16], SEED + i, args.max_new)
         label_samples(target, heldout)
         torch.save(heldout, held_path)
-    if not log:
+
+    draft = load_draft(DRAFT if saved is None else work / "last")
+    log: list[dict] = []
+    step, rnd, spent = 0, 0, 0.0
+    shape = {"grow": args.grow, "train_new_only": args.train_new_only}
+    if saved:
+        step, rnd, spent, log = saved["step"], saved["round"], saved["seconds"], saved["log"]
+        was = saved.get("shape", {"grow": 0, "train_new_only": False})
+        if was != shape:
+            sys.exit(f"{work} holds a run with {was}; resume it with the same --grow / --train-new-only")
+    elif args.grow:  # the committed draft's score, then the grown one's (the same: the new layers add 0)
         log.append({"step": 0, "round": 0, "seconds": 0.0, "heldout": evaluate(draft, heldout), "committed": True})
         print(f"[onpolicy] committed draft: {log[0]['heldout']}", flush=True)
+        grow(draft, target, args.grow, args.grow_from)
+    new_layers = list(draft.model.layers)[len(draft.model.layers) - args.grow :] if args.grow else []
+    params = train_only(draft, new_layers) if args.train_new_only else list(draft.parameters())
+    print(
+        f"[onpolicy] draft of {draft.config.num_hidden_layers} layers, training {sum(p.numel() for p in params):,} "
+        f"of {sum(p.numel() for p in draft.parameters()):,} parameters",
+        flush=True,
+    )
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98))
+    if saved and saved.get("opt"):
+        opt.load_state_dict(saved["opt"])
+    if not saved:
+        entry = {"step": 0, "round": 0, "seconds": 0.0, "heldout": evaluate(draft, heldout)}
+        log.append(entry | ({"grown": args.grow} if args.grow else {"committed": True}))
+        print(f"[onpolicy] {'grown' if args.grow else 'committed'} draft: {entry['heldout']}", flush=True)
     best = max(e["heldout"]["accept"] for e in log)
 
     prompts = instructions(heldout=False)
@@ -319,7 +384,7 @@ def train(args: argparse.Namespace) -> None:
             loss = loss_of(terms, args.kl_weight, args.tv_weight)
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             step += 1
         print(
@@ -337,21 +402,24 @@ def train(args: argparse.Namespace) -> None:
                 (work / "best" / "train_log.json").write_text(json.dumps({"step": step, "log": log}, indent=1))
                 print(f"[onpolicy] new best {best:.4f} -> {work / 'best'}", flush=True)
         if time.time() - t_save > 180:
-            checkpoint(work, draft, tok, opt, step, rnd, spent + time.time() - t0, log)
+            checkpoint(work, draft, tok, opt, step, rnd, spent + time.time() - t0, log, shape)
             t_save = time.time()
-    checkpoint(work, draft, tok, opt, step, rnd, spent + time.time() - t0, log)
+    checkpoint(work, draft, tok, opt, step, rnd, spent + time.time() - t0, log, shape)
     print("[onpolicy] done", flush=True)
 
 
-def checkpoint(work: Path, draft: Any, tok: Any, opt: Any, step: int, rnd: int, seconds: float, log: list) -> None:
-    """The draft's fp32 weights (``last``), the optimiser and the counters, written atomically."""
+def checkpoint(
+    work: Path, draft: Any, tok: Any, opt: Any, step: int, rnd: int, seconds: float, log: list, shape: dict
+) -> None:
+    """The draft's fp32 weights (``last``), the optimiser, the counters and the run's shape (layers grown,
+    which trained), written atomically."""
     tmp = work / "last.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     draft.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     shutil.rmtree(work / "last", ignore_errors=True)
     tmp.rename(work / "last")
-    state = {"opt": opt.state_dict(), "step": step, "round": rnd, "seconds": seconds, "log": log}
+    state = {"opt": opt.state_dict(), "step": step, "round": rnd, "seconds": seconds, "log": log, "shape": shape}
     torch.save(state, work / "state.tmp")
     (work / "state.tmp").rename(work / "state.pt")
 
@@ -369,9 +437,20 @@ def export(args: argparse.Namespace) -> None:
     print(f"exported step {log['step']} to {DRAFT}")
 
 
+def score(args: argparse.Namespace) -> None:
+    """Held-out figures of the committed draft and of ``<work>/best`` as exported (int8 layers, bf16
+    embedding, read back and dequantised) on the run's held-out replies (``<work>/heldout.pt``)."""
+    torch.set_num_threads(args.threads)
+    heldout = torch.load(args.work / "heldout.pt", weights_only=False)
+    for name, path in (("committed", DRAFT), ("best", args.work / "best")):
+        if (path / "model.safetensors").exists():
+            draft = load_draft(path)
+            print(f"{name} ({draft.config.num_hidden_layers} layers): {evaluate(draft, heldout)}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m training.onpolicy", description=__doc__.splitlines()[0])
-    ap.add_argument("--stage", choices=("train", "export"), required=True)
+    ap.add_argument("--stage", choices=("train", "export", "evaluate"), required=True)
     ap.add_argument("--work", type=Path, default=WORK)
     ap.add_argument("--minutes", type=float, default=150, help="training time of the whole run (cosine schedule)")
     ap.add_argument("--lr", type=float, default=3e-5)
@@ -385,9 +464,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heldout", type=int, default=96, help="held-out replies")
     ap.add_argument("--eval-every", type=int, default=4, help="rounds between held-out evaluations")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--grow", type=int, default=0, help="decoder layers to append to the committed draft (starting as identities)"
+    )
+    ap.add_argument(
+        "--grow-from", type=int, default=None, help="the target layer the first grown one copies (default: the next)"
+    )
+    ap.add_argument(
+        "--train-new-only", action="store_true", help="freeze every committed parameter; train the grown layers only"
+    )
     ap.add_argument("--teacher-share", type=float, default=0.7, help="share of rounds whose replies the target writes")
     args = ap.parse_args(argv)
-    train(args) if args.stage == "train" else export(args)
+    {"train": train, "export": export, "evaluate": score}[args.stage](args)
     return 0
 
 
