@@ -10,9 +10,9 @@ from conftest import full_logits, make_model, make_tokenizer
 from transformers import AutoModelForCausalLM
 
 from mtad.decoding import generate
-from mtad.pair import load
+from mtad.models.pair import load
+from mtad.models.shortlist_draft import Int8Linear, ShortlistForCausalLM
 from mtad.settings import Settings
-from mtad.shortlist_draft import Int8Linear, ShortlistForCausalLM
 from training import onpolicy
 
 CHAT = (
