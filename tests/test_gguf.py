@@ -112,9 +112,13 @@ def gguf_pair(gguf_file: Path, gguf_cache: Path) -> ModelPair:
     return load(str(MODELS / "draft"), str(gguf_file), device="cpu", dtype="float32")
 
 
-def test_a_second_load_reads_the_dequantised_cache(gguf_pair: ModelPair, gguf_file: Path, gguf_cache: Path) -> None:
+def test_a_second_load_reads_the_dequantised_cache(
+    gguf_pair: ModelPair, gguf_file: Path, gguf_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The first load wrote plain fp32 safetensors + tokenizer; the second reads them (no GGUF parse)
-    and gives the same tokenizer and logits as the direct GGUF load."""
+    and gives the same tokenizer and logits as the direct GGUF load, bit for bit with the same linear
+    kernel (PyTorch's own, which the direct load runs; the load's timed choice could pick another)."""
+    monkeypatch.setenv("MTAD_CPU_LINEAR", "mkl")
     (cached,) = [p.parent for p in gguf_cache.rglob("model.safetensors")]
     assert cached == cached_dir(gguf_file) and (cached / "tokenizer.json").is_file()
     assert "quantization_config" not in json.loads((cached / "config.json").read_text())
