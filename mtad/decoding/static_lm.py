@@ -56,18 +56,19 @@ class StaticKV:
         steps of :data:`CAPACITY_STEP`, so buffers are rarely remade)."""
         if self.keys and rows == self.rows and length <= self.capacity:
             return
-        cap = max(self.capacity, -(-length // CAPACITY_STEP) * CAPACITY_STEP)
-        shape = (rows, self.kv_heads, cap, self.head_dim)
-        old_k, old_v = self.keys, self.values
+        old, n = self.keys + self.values, self.length
+        self._allocate(rows, max(self.capacity, -(-length // CAPACITY_STEP) * CAPACITY_STEP))
+        if old and n:
+            for buf, src in zip(self.keys + self.values, old, strict=True):
+                buf[:, :, :n] = src[:, :, :n] if src.shape[0] == rows else src[:1, :, :n].expand(rows, -1, -1, -1)
+
+    def _allocate(self, rows: int, capacity: int) -> None:
+        """Fresh zeroed buffers of ``rows`` rows and ``capacity`` positions (their content is the caller's)."""
+        shape = (rows, self.kv_heads, capacity, self.head_dim)
         self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
         self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
         for buf in self.keys + self.values:
             torch._dynamo.mark_dynamic(buf, 2)  # a larger capacity is the same compiled graph
-        if old_k and self.length:
-            n = self.length
-            src_rows = old_k[0].shape[0]
-            for new, old in zip(self.keys + self.values, old_k + old_v, strict=True):
-                new[:, :, :n] = old[:, :, :n] if src_rows == rows else old[:1, :, :n].expand(rows, -1, -1, -1)
 
     def crop(self, length: int) -> None:
         """Forget every position from ``length`` on."""
@@ -87,9 +88,7 @@ class StaticKV:
         rows = index.numel()
         picked = [t[:, :, :n].index_select(0, index) for t in self.keys + self.values]
         if rows != self.rows:
-            self.keys, self.values, self.length = [], [], 0
-            self.reserve(rows, n)
-            self.length = n
+            self._allocate(rows, self.capacity)
         for buf, src in zip(self.keys + self.values, picked, strict=True):
             buf[:, :, :n] = src
 
@@ -155,9 +154,7 @@ class StaticLM:
     def _run(self, tokens: torch.Tensor, positions: torch.Tensor, allow: torch.Tensor, keep: int) -> torch.Tensor:
         rows, n = tokens.shape
         past = self.cache.length
-        if rows != self.cache.rows and past:
-            self.cache.fan_out(rows)
-        self.cache.reserve(rows, past + n)
+        self.cache.reserve(rows, past + n)  # from one row to several, this fans the context out
         dev = self.cache.device
         slots = torch.arange(past, past + n, device=dev)
         mask = allow.to(dev)
@@ -173,7 +170,7 @@ def warm_up(model: torch.nn.Module, vocab: int, tokens: int, rows: int = 1) -> f
     verification up to γ = tokens − 1) before anyone waits on them; the seconds it took."""
     t0 = time.perf_counter()
     lm = StaticLM(model, vocab)
-    device = next(model.parameters()).device
+    device = lm.cache.device
     lm.feed(torch.zeros((rows, 1), dtype=torch.long, device=device))  # a context: compiled shapes follow one
     for n in range(1, min(tokens, COMPILED_TOKENS) + 1):
         lm.feed(torch.zeros((rows, n), dtype=torch.long, device=device), keep=n)

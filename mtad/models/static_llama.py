@@ -65,17 +65,23 @@ def _(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], out_features)
 
 
-def layer_weights(layer: torch.nn.Module) -> tuple[tuple[torch.Tensor, ...], bool]:
-    """A decoder layer's tensors as :func:`decoder_layer` takes them, and whether its products are
-    oneDNN-packed. Packed: the two norms, then q, k and v as one packed matrix, o, gate and up as one, and
+LayerWeights = tuple[tuple[torch.Tensor, ...], bool, tuple[int, ...]]
+"""A decoder layer as :func:`decoder_layer` takes it: its tensors, whether its products are packed, and
+the output width of each of q, k, v, o, gate, up and down."""
+
+
+def layer_weights(layer: torch.nn.Module) -> LayerWeights:
+    """A decoder layer's tensors as :func:`decoder_layer` takes them, whether its products are
+    oneDNN-packed, and their widths (read once here, not at every forward). Packed: the two norms, then q, k and v as one packed matrix, o, gate and up as one, and
     down (three fewer products a layer: measured 1.5x faster for the five matrices of a SmolLM2 layer at one
     row in bf16); made once per layer and weights, and the layers' own packed copies of the fused matrices
     are dropped (an eager forward packs them again when it needs them). Else the seven plain matrices."""
     attn, mlp = layer.self_attn, layer.mlp
     linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
     norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+    widths = tuple(lin.out_features for lin in linears)
     if not all(callable(getattr(lin, "packed", None)) for lin in linears):
-        return (*norms, *(lin.weight for lin in linears)), False
+        return (*norms, *(lin.weight for lin in linears)), False, widths
     stamp = tuple((lin.weight.data_ptr(), lin.weight.dtype) for lin in linears)
     kept = layer.__dict__.get("_mtad_fused")
     if kept is None or kept[0] != stamp:
@@ -88,7 +94,7 @@ def layer_weights(layer: torch.nn.Module) -> tuple[tuple[torch.Tensor, ...], boo
         for lin in (q, k, v, gate, up):
             lin._packed = None
         kept = layer.__dict__["_mtad_fused"] = (stamp, mats)
-    return (*norms, *kept[1]), True
+    return (*norms, *kept[1]), True, widths
 
 
 def decoder_layer(
@@ -181,7 +187,7 @@ def llama_forward(
     keys: list[torch.Tensor],
     values: list[torch.Tensor],
     keep: int,
-    layers: list[tuple[tuple[torch.Tensor, ...], bool]],
+    layers: list[LayerWeights],
     compiled: bool = True,
 ) -> torch.Tensor:
     """Logits [rows, keep, V] of the last ``keep`` of ``ids`` [rows, n] at rotary ``positions`` [n], their
@@ -198,12 +204,6 @@ def llama_forward(
     run = compiled_layer if compiled else decoder_layer
     attn = inner.layers[0].self_attn
     eps = inner.layers[0].input_layernorm.variance_epsilon
-    for layer, (weights, packed), k_buf, v_buf in zip(inner.layers, layers, keys, values, strict=True):
-        mods = layer.self_attn, layer.mlp
-        widths = tuple(
-            m.out_features
-            for m in (mods[0].q_proj, mods[0].k_proj, mods[0].v_proj, mods[0].o_proj)
-            + (mods[1].gate_proj, mods[1].up_proj, mods[1].down_proj)
-        )
+    for (weights, packed, widths), k_buf, v_buf in zip(layers, keys, values, strict=True):
         h = run(h, cos, sin, mask, slots, k_buf, v_buf, weights, packed, widths, attn.head_dim, attn.scaling, eps)
     return model.lm_head(inner.norm(h[:, -keep:]))

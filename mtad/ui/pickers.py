@@ -142,7 +142,7 @@ def pair_facts(pair: object) -> str:
     dtype = str(pair.dtype).removeprefix("torch.")
     attention = getattr(pair.target.config, "_attn_implementation", None) or "eager"
     engine = f"transformers {transformers.__version__}, {attention} attention"
-    if getattr(pair, "engine", "eager") == "compiled":
+    if pair.engine == "compiled":
         engine = f"compiled target (torch {torch.__version__.split('+')[0]} inductor), {engine} for the draft"
     return f"draft {millions(d)}, target {millions(t)} parameters · {dtype} · {escape(engine)}"
 
