@@ -453,7 +453,8 @@ def test_one_registry_names_every_method_once():
     from mtad.settings import METHODS
 
     assert tuple(DECODERS) == METHODS  # the CLI, the bench and Settings.validate all read METHODS
-    assert bench.parser().get_default("methods") == ",".join(METHODS)
+    assert bench.parser().get_default("methods") is None  # every method the pair can run
+    assert bench.parse_methods(",".join(METHODS)) == list(METHODS)
     assert [c.method for c in bench_run.build_cases(METHODS, Settings(), [2], [2], [0.5])] == list(METHODS)
 
 

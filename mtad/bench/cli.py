@@ -15,10 +15,11 @@ from mtad.bench.aggregate import aggregate
 from mtad.bench.report import environment, git_commit, render_table, write_outputs
 from mtad.bench.run import Case, build_cases, run_bench
 from mtad.cli import add_pair_args, add_sampling_args, load_pair_from_args, sampling_settings
-from mtad.decoding import encode_prompt
+from mtad.decoding import encode_prompt, refusal
 from mtad.decoding.spec import method_names, registry
 from mtad.decoding.static_lm import warm_up
 from mtad.energy import EnergyMeter
+from mtad.models.pair import ModelPair
 from mtad.models.presets import default_pair_name, presets
 from mtad.prompts import Prompt, read_prompts
 from mtad.settings import Settings, uses_draft
@@ -39,7 +40,7 @@ def parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--limit", type=int, help="use the first N prompts")
     names = method_names()
-    ap.add_argument("--methods", default=",".join(names), help=f"comma list of {', '.join(names)}")
+    ap.add_argument("--methods", help=f"comma list of {', '.join(names)} (default: all the pair can run)")
     add_sampling_args(ap)
     ap.add_argument(
         "--gamma",
@@ -136,7 +137,7 @@ def prepare(args: argparse.Namespace) -> tuple[list[Case], list[int], list[Promp
     if args.time_budget is not None and not args.time_budget > 0:
         raise ValueError(f"--time-budget must be a number of seconds > 0; got {args.time_budget}")
     cases = build_cases(
-        parse_methods(args.methods),
+        parse_methods(args.methods or ",".join(method_names())),
         sampling_settings(args),
         parse_list(args.gamma, int, "gamma") if args.gamma is not None else None,
         parse_list(args.beams, int, "beams"),
@@ -146,6 +147,22 @@ def prepare(args: argparse.Namespace) -> tuple[list[Case], list[int], list[Promp
     args.prompts_file = default_prompts(args)
     prompts = read_prompts(args.prompts_file, args.limit)
     return cases, seeds, prompts
+
+
+def runnable(cases: list[Case], pair: ModelPair, explicit: bool) -> list[Case]:
+    """The cases the pair can run: a method it cannot (``mtad.decoding.refusal``) is an error when asked
+    for by name, and left out with a note when it came with the default list."""
+    kept = []
+    for case in cases:
+        why = refusal(pair, case.method)
+        if why is None:
+            kept.append(case)
+        elif explicit:
+            raise ValueError(why)
+    left = sorted({c.method for c in cases} - {c.method for c in kept}, key=method_names().index)
+    if left:
+        print(f"note: {', '.join(left)} left out: {refusal(pair, left[0]).split(';')[0]}", file=sys.stderr)
+    return kept
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -160,6 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cases, seeds, prompts = prepare(args)
         out = output_dir(args.out)
         pair = load_pair_from_args(args)
+        cases = runnable(cases, pair, explicit=args.methods is not None)
         longest = max(cases, key=lambda c: uses_draft(c.method)).settings  # the draft's context counts too
         encoded = []
         for p in prompts:

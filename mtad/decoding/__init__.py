@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from mtad.decoding import autoregressive, bild, hf_assisted, mtad, mtad_tree, mtjd, specinfer, spectr, speculative
 from mtad.decoding.rules import mtad_accept_length, mtad_passes
 from mtad.decoding.spec import Decoder, MethodSpec, register, registry, spec_of
+from mtad.decoding.state import reads_features
 from mtad.events import Run, Step
 from mtad.models.pair import ModelPair
 from mtad.settings import Settings, uses_draft
@@ -32,6 +33,7 @@ __all__ = [
     "generate",
     "mtad_accept_length",
     "mtad_passes",
+    "refusal",
     "register",
 ]
 
@@ -64,7 +66,22 @@ def decode(pair: ModelPair, prompt_ids: list[int], settings: Settings) -> Iterat
     if not prompt_ids:
         raise ValueError("the prompt has no tokens")
     check_fits(pair, len(prompt_ids), settings)
+    if (why := refusal(pair, settings.method)) is not None:
+        raise ValueError(why)
     return spec_of(settings.method).run(pair, prompt_ids, settings)
+
+
+def refusal(pair: ModelPair, method: str) -> str | None:
+    """Why ``method`` cannot run on ``pair`` (a draft that reads the target's features needs a decoder that
+    gives it them), or None."""
+    spec = spec_of(method)
+    if spec.drafts and reads_features(pair) and not spec.feature_draft:
+        able = ", ".join(name for name, s in DECODERS.items() if s.drafts and s.feature_draft)
+        return (
+            f"the {pair.name} pair's draft reads the target's features, which {spec.short} does not give it; "
+            f"run it with {able}"
+        )
+    return None
 
 
 def generate(pair: ModelPair, prompt: str, settings: Settings, raw: bool = False) -> Run:

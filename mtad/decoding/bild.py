@@ -93,4 +93,5 @@ SPEC = MethodSpec(
     panel="rollback",
     rule="BiLD keeps draft tokens until the first whose negative log-likelihood under the target exceeds τ2, "
     "then the target writes that position (not exact: kept tokens are the draft's)",
+    feature_draft=True,
 )

@@ -57,4 +57,5 @@ SPEC = MethodSpec(
     params=(PARAMS["beams"], PARAMS["gamma"], PARAMS["tau"], PARAMS["draft_mode"]),
     step=mtad_step,
     panel="mtad",
+    feature_draft=True,
 )

@@ -35,7 +35,9 @@ class MethodSpec:
     ``python -m mtad.audit`` must find no shift. ``drafts``: it runs the draft model. ``racer``: the page
     offers it as a lane. ``panel``: which verification panel (``PANELS``) explains an iteration; ``rule``:
     that panel's sentence on how it verifies; ``remark``: a line under the bench table where its
-    columns read differently.
+    columns read differently. ``feature_draft``: it can run a draft that reads the target's features
+    (:mod:`mtad.models.feature_draft`: its drafter feeds the draft through the shared ``DecodeState`` and its
+    verifier is one linear target forward, so the target's features of every kept position are known).
     """
 
     name: str
@@ -51,6 +53,7 @@ class MethodSpec:
     panel: str = "sd"
     rule: str = ""
     remark: str = ""
+    feature_draft: bool = False
 
     def __post_init__(self) -> None:
         if (self.step is None) == (self.decoder is None):

@@ -63,4 +63,5 @@ SPEC = MethodSpec(
     step=sd_step,
     exact=True,
     panel="sd",
+    feature_draft=True,
 )

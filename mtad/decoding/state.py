@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mtad.decoding.features import FeatureLM, Features
 from mtad.decoding.kv import KVCache
 from mtad.decoding.static_lm import StaticLM
 from mtad.events import Step
@@ -19,10 +20,11 @@ from mtad.settings import Settings, uses_draft
 class CachedLM:
     """A causal LM with a KV cache that is never re-encoded, only extended and cropped."""
 
-    def __init__(self, model: torch.nn.Module, vocab: int) -> None:
+    def __init__(self, model: torch.nn.Module, vocab: int, features: Features | None = None) -> None:
         self.model = model
         self.vocab = vocab
         self.cache = KVCache(model.config)
+        self.features = features  # where to keep the last hidden states, for a draft that reads them
         self._keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         # a shortlist draft computes logits for some tokens only (the rest are -inf): see feed
         self.columns: torch.Tensor | None = getattr(model, "columns", None)
@@ -42,6 +44,13 @@ class CachedLM:
         short = columns and self.columns is not None
         if short:
             kwargs["shortlist_only"] = True
+        if self.features is not None:
+            start = self.length
+            hidden = self.model.get_decoder()(
+                input_ids=tokens, past_key_values=self.cache.past_key_values, use_cache=True
+            ).last_hidden_state
+            self.features.write(start, hidden)
+            return self.model.get_output_embeddings()(hidden[:, -keep:])[..., : self.vocab].float()
         out = self.model(input_ids=tokens, past_key_values=self.cache.past_key_values, use_cache=True, **kwargs)
         return out.logits[:, -keep:].float() if short else out.logits[:, -keep:, : self.vocab].float()
 
@@ -63,6 +72,9 @@ class CachedLM:
         """Forget cached positions beyond ``length``."""
         self.cache.crop(length)
 
+    def prepare(self, tokens: torch.Tensor) -> None:
+        """Nothing to run before a forward (a feature-reading draft runs the target here)."""
+
 
 def additive_mask(allow: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """transformers' additive form of a boolean attention mask, in the model's dtype (it joins the scores):
@@ -70,11 +82,19 @@ def additive_mask(allow: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(allow.shape, dtype=dtype).masked_fill(~allow, torch.finfo(dtype).min)
 
 
-def target_lm(pair: ModelPair) -> CachedLM | StaticLM:
-    """The target as the pair's engine runs it: eager over a ``DynamicCache``, or compiled over a static one."""
+def target_lm(pair: ModelPair, features: Features | None = None) -> CachedLM | StaticLM:
+    """The target as the pair's engine runs it: eager over a ``DynamicCache``, or compiled over a static one.
+    ``features``: keep its last hidden states there (a draft reads them; eager only)."""
     if pair.engine == "compiled":
+        if features is not None:
+            raise ValueError("this pair's draft reads the target's features: run it with --engine eager")
         return StaticLM(pair.target, pair.vocab_size)
-    return CachedLM(pair.target, pair.vocab_size)
+    return CachedLM(pair.target, pair.vocab_size, features)
+
+
+def reads_features(pair: ModelPair) -> bool:
+    """Whether the pair's draft reads the target's features (:mod:`mtad.models.feature_draft`)."""
+    return bool(getattr(pair.draft, "reads_features", False))
 
 
 class PhaseTimer:
@@ -110,7 +130,7 @@ class DecodeState:
     ids: list[int]
     prompt_len: int
     target: CachedLM | StaticLM
-    draft: CachedLM | None
+    draft: CachedLM | FeatureLM | None
     device: torch.device
     eos_ids: frozenset[int]
     generator: torch.Generator
@@ -125,18 +145,24 @@ class DecodeState:
         iteration, so a run's seconds cover all of its work)."""
         started = time.perf_counter()
         needs_draft = uses_draft(settings.method)
-        return cls(
+        features = (
+            Features(pair.target.config.hidden_size, pair.device) if needs_draft and reads_features(pair) else None
+        )
+        st = cls(
             settings=settings,
             ids=list(prompt_ids),
             prompt_len=len(prompt_ids),
-            target=target_lm(pair),
-            draft=CachedLM(pair.draft, pair.vocab_size) if needs_draft else None,
+            target=target_lm(pair, features),
+            draft=CachedLM(pair.draft, pair.vocab_size) if needs_draft and features is None else None,
             device=pair.device,
             eos_ids=pair.eos_ids,
             generator=make_generator(pair.device, settings.seed),
             timer=PhaseTimer(pair.device),
             started=started,
         )
+        if features is not None:
+            st.draft = FeatureLM(pair.draft, pair.vocab_size, features, lambda: st.target.length, st.run_context)
+        return st
 
     @property
     def remaining(self) -> int:
@@ -165,6 +191,13 @@ class DecodeState:
         self.spans["target"].append((t0, self.timer.mark()))
         return logits
 
+    def run_context(self, tokens: torch.Tensor) -> None:
+        """One target forward over committed context ``tokens`` [1, n] it has not seen (a feature-reading
+        draft needs their features before the first verification), timed and counted as a target call."""
+        t0 = self.timer.mark()
+        self.target.feed(tokens, keep=1)
+        self.spans["target"].append((t0, self.timer.mark()))
+
     def run_draft(self, tokens: torch.Tensor) -> torch.Tensor:
         """One draft forward over ``tokens`` [B, n]; the last position's logits over the draft's
         columns [B, C] (C = V, or a shortlist draft's K: map indices with :meth:`draft_tokens`)."""
@@ -174,6 +207,7 @@ class DecodeState:
         """One forward of ``lm`` (the draft or the target) over ``tokens`` [B, n], timed in its own phase;
         the last position's logits [B, C] over its columns (a shortlist draft's, else the vocabulary)."""
         phase = "draft" if lm is self.draft else "target"
+        lm.prepare(tokens)
         t0 = self.timer.mark()
         logits = lm.feed(tokens, keep=1, columns=True)[:, -1]
         self.spans[phase].append((t0, self.timer.mark()))

@@ -139,6 +139,8 @@ def load(
             f"a model's output layer is smaller than the tokenizer: draft {sizes[0]}, target {sizes[1]}, "
             f"tokenizer {len(tok_t)} tokens"
         )
+    if engine == "compiled" and getattr(models[0], "reads_features", False):
+        raise PairError("the compiled engine does not keep the target's features this draft reads; use --engine eager")
     if engine == "compiled" and (why := supports(models[1])) is not None:
         raise PairError(f"the compiled engine cannot run this target: {why}; use --engine eager")
     eos = {tok_t.eos_token_id} if tok_t.eos_token_id is not None else set()

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import gradio as gr
 import torch
 
-from mtad.decoding import encode_prompt
+from mtad.decoding import encode_prompt, refusal
 from mtad.models.errors import PairError
 from mtad.models.presets import presets
 from mtad.settings import Settings
@@ -148,6 +148,9 @@ def _generate(session: str, form: RunForm) -> Iterator[tuple]:
         pair = PAGE.pairs.get(pair_name)
         prompt_ids = encode_prompt(pair, prompt, settings)
         check_prompt_length(len(prompt_ids))
+        for method in racers:
+            if (why := refusal(pair, method)) is not None:
+                raise ValueError(f"{why} (pick another lane)")
     except (PairError, ValueError) as exc:
         yield from refuse(str(exc), race)
     methods = racers + (["ar"] if with_ar else [])
