@@ -138,6 +138,9 @@ class StaticLM:
         """Forget cached positions beyond ``length``."""
         self.cache.crop(length)
 
+    def prepare(self, tokens: torch.Tensor) -> None:
+        """Nothing to run before a forward (as ``CachedLM.prepare``)."""
+
     @torch.inference_mode()
     def feed(self, tokens: torch.Tensor, keep: int = 1, columns: bool = False) -> torch.Tensor:
         """Run ``tokens`` [B, n] after the cached context; fp32 logits of the last ``keep`` positions."""
