@@ -59,7 +59,17 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def load_pair_from_args(args: argparse.Namespace):  # noqa: ANN201
-    """The pair the flags name: --draft/--target together, else --pair, else the default preset."""
+    """The pair the flags name: --draft/--target together, else --pair, else the default preset; on the
+    CPU it then runs on the thread count its target's products measure fastest on (``choose_threads``)."""
+    pair = _load_pair_from_args(args)
+    if pair.device.type == "cpu":
+        from mtad.models.kernels import choose_threads
+
+        choose_threads(pair.target)
+    return pair
+
+
+def _load_pair_from_args(args: argparse.Namespace):  # noqa: ANN202
     from transformers.utils import logging as hf_logging
 
     from mtad.models.errors import PairError

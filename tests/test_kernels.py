@@ -3,6 +3,8 @@ or by the operator, and decoding that gives the same tokens whichever runs."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from conftest import full_logits
@@ -10,10 +12,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from mtad.decoding import generate
+from mtad.models import kernels
 from mtad.models.cpu_linear import StationaryLinear
 from mtad.models.errors import PairError
 from mtad.models.kernels import OneDNNLinear, candidates, choose, probe, product, use_linear_kernel
-from mtad.models.pair import load
+from mtad.models.pair import ModelPair, load
 from mtad.settings import Settings
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs PyTorch built with oneDNN")
@@ -164,3 +167,33 @@ def test_the_report_times_every_kernel_and_names_the_choice(capsys: pytest.Captu
             and five > 0
             and (five - 0.05) / (one + 0.05) - 0.005 <= ratio <= (five + 0.05) / (one - 0.05) + 0.005
         )
+
+
+def test_the_thread_count_is_measured_or_taken_from_the_environment(
+    tiny_pair: ModelPair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``MTAD_CPU_THREADS`` the count is the operator's, unmeasured; without, it is one of the
+    counts measured (all cores but one, or all) and torch runs on it."""
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setenv("MTAD_CPU_THREADS", "1")
+        torch.set_num_threads(1)
+        monkeypatch.setattr(kernels, "probe", lambda *a, **k: pytest.fail("measured despite MTAD_CPU_THREADS"))
+        assert kernels.choose_threads(tiny_pair.target) == 1
+        monkeypatch.undo()
+        monkeypatch.delenv("MTAD_CPU_THREADS", raising=False)
+        cores = os.cpu_count() or 1
+        calls = []
+        real = kernels.probe
+
+        def counted(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+            calls.append(torch.get_num_threads())
+            return real(*args, **kw)
+
+        monkeypatch.setattr(kernels, "probe", counted)
+        chosen = kernels.choose_threads(tiny_pair.target)
+        assert chosen == torch.get_num_threads() and chosen in {max(1, cores - 1), cores}
+        if cores > 1:
+            assert sorted(set(calls)) == [cores - 1, cores] and len(calls) == 4, calls
+    finally:
+        torch.set_num_threads(before)

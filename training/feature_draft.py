@@ -190,14 +190,17 @@ def evaluate(draft: Any, heldout: list[dict], depth: int, chunk: int = 4) -> lis
 
 def train(args: argparse.Namespace) -> None:
     """Steps on random replies of every shard so far, held-out figures per depth every few minutes, the
-    best (by mean acceptance over the depths drafted) exported to ``<work>/best``; resumes ``state.pt``."""
+    best (by mean acceptance over the depths drafted) exported to ``<work>/best``. Resumes ``state.pt``;
+    without one, starts from the committed feature draft (``OUT``), else from the committed shortlist draft."""
     torch.set_num_threads(args.threads)
     work: Path = args.work
     work.mkdir(parents=True, exist_ok=True)
     _, tok = load_target()
     state_path = work / "state.pt"
     saved = torch.load(state_path, weights_only=False) if state_path.exists() else None
-    draft = feature_draft(work / "last" if saved else DRAFT).train()
+    start = work / "last" if saved else OUT if (OUT / "model.safetensors").exists() else DRAFT
+    draft = feature_draft(start).train()
+    print(f"[feature] starting from {start}", flush=True)
     new = list(draft.feature_in.parameters())
     rest = [p for p in draft.parameters() if all(p is not q for q in new)]
     groups = [{"params": new, "base": args.lr}, {"params": rest, "base": args.lr_rest}]

@@ -157,6 +157,31 @@ def choose(model: nn.Module) -> str:
     return min(allowed, key=lambda k: sum(timed[k].values()))
 
 
+def choose_threads(model: nn.Module) -> int:
+    """Run on the torch thread count under which ``model``'s products (1 and 5 rows, :func:`probe`) are
+    fastest here, of one less than the cores (what loading sets: a core left to a page's server) and all
+    of them; ``MTAD_CPU_THREADS`` when set. Returns the count now in use.
+
+    On a 2-core EPYC (Zen 4) with nothing else running, 2 threads made SmolLM2's forwards 1.2-1.5x faster
+    than 1 (the journal's 2026-11-24-feature-draft.md); with the other core busy, 2 threads spin and are
+    far slower, which the same measurement sees. The bench and the CLI call this; the page does not."""
+    if os.environ.get("MTAD_CPU_THREADS"):
+        return torch.get_num_threads()
+    cores = os.cpu_count() or 1
+    options = sorted({max(1, cores - 1), cores})
+    weights = probe_weights(model)
+    if len(options) == 1 or not weights:
+        return torch.get_num_threads()
+    kernel = getattr(model, "mtad_linear_kernel", "mkl")
+    timed = {}
+    for n in options * 2:  # twice each, alternating, so a passing disturbance hits both
+        torch.set_num_threads(n)
+        took = sum(probe(weights, (kernel,))[kernel].values())
+        timed[n] = min(timed.get(n, took), took)
+    torch.set_num_threads(min(options, key=timed.__getitem__))
+    return torch.get_num_threads()
+
+
 def use_linear_kernel(model: nn.Module, kernel: str) -> int:
     """Put ``kernel``'s layer in place of every plain ``nn.Linear`` (or one a previous choice made) in
     ``model``, and have int8 layers multiply their dequantised matrix with it; returns how many layers
