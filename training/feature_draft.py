@@ -10,7 +10,9 @@ chain's start and to its own chain's earlier draft tokens only (HASS's "training
 the forward KL to the target's law (and optionally the total variation of the warped laws, as
 ``training.onpolicy``); weights are chosen by held-out acceptance per depth, on ``training.onpolicy``'s
 held-out target replies (same instructions and seeds): at step 0 every depth scores the committed draft's
-0.4483 there.
+0.4483 there. Those held-out instructions share the training ones' templates: a gain there did not
+reach the benchmark's prompts (docs/journal/2026-11-24-feature-draft.md), so export only what the
+bench confirms.
 
 Usage::
 
