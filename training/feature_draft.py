@@ -40,7 +40,7 @@ from training.onpolicy import (
     SEED,
     draft_terms,
     instructions,
-    label,
+    label_samples,
     load_draft,
     load_target,
     loss_of,
@@ -55,26 +55,6 @@ OUT = Path("assets/models/smollm2-feature-draft")
 # --------------------------------------------------------------------------- data
 
 
-@torch.inference_mode()
-def features_and_labels(target: Any, samples: list[dict], chunk: int = 8) -> list[dict]:
-    """The target's last hidden states at every position (bf16) and its labels (``label``) at every
-    reply position, one forward per ``chunk`` samples."""
-    for i in range(0, len(samples), chunk):
-        part = samples[i : i + chunk]
-        width = max(len(s["ids"]) for s in part)
-        ids = torch.zeros(len(part), width, dtype=torch.long)
-        mask = torch.zeros(len(part), width, dtype=torch.long)
-        for b, s in enumerate(part):
-            ids[b, : len(s["ids"])] = s["ids"].long()
-            mask[b, : len(s["ids"])] = 1
-        hidden = target.model(input_ids=ids, attention_mask=mask).last_hidden_state
-        logits = target.lm_head(hidden)
-        for b, s in enumerate(part):
-            s["feats"] = hidden[b, : len(s["ids"])].to(torch.bfloat16).clone()
-            s.update(label(logits[b, s["start"] : len(s["ids"]) - 1]))
-    return samples
-
-
 def heldout_set(work: Path, target: Any, tok: Any, n: int = 96, max_new: int = 128) -> list[dict]:
     """``training.onpolicy``'s held-out replies (same instructions and seeds), with features."""
     path = work / "heldout.pt"
@@ -84,7 +64,7 @@ def heldout_set(work: Path, target: Any, tok: Any, n: int = 96, max_new: int = 1
     held: list[dict] = []
     for i in range(0, len(prompts), 16):
         held += target_replies(target, tok, prompts[i : i + 16], SEED + i, max_new)
-    features_and_labels(target, held)
+    label_samples(target, held, features=True)
     torch.save(held, path)
     return held
 
@@ -102,7 +82,8 @@ def produce(args: argparse.Namespace) -> None:
     t0 = time.time()
     while time.time() - t0 < args.minutes * 60:
         batch = [prompts[(n * args.gen_batch + i) % len(prompts)] for i in range(args.gen_batch)]
-        samples = features_and_labels(target, target_replies(target, tok, batch, SEED + 5000 + n, args.max_new))
+        samples = target_replies(target, tok, batch, SEED + 5000 + n, args.max_new)
+        label_samples(target, samples, features=True)
         tmp = shards / f"{n:06d}.tmp"
         torch.save(samples, tmp)
         tmp.rename(shards / f"{n:06d}.pt")

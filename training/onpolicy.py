@@ -245,9 +245,10 @@ def target_replies(target: Any, tok: Any, prompts: list[str], seed: int, max_new
 
 
 @torch.inference_mode()
-def label_samples(target: Any, samples: list[dict], chunk: int = 8) -> list[dict]:
+def label_samples(target: Any, samples: list[dict], chunk: int = 8, features: bool = False) -> list[dict]:
     """The target's labels at every reply position (the position before each reply token), one
-    forward per ``chunk`` samples, right-padded."""
+    forward per ``chunk`` samples, right-padded; with ``features``, also its last hidden state at every
+    position (``"feats"``, bf16: what a feature-reading draft reads)."""
     for i in range(0, len(samples), chunk):
         part = samples[i : i + chunk]
         width = max(len(s["ids"]) for s in part)
@@ -256,8 +257,11 @@ def label_samples(target: Any, samples: list[dict], chunk: int = 8) -> list[dict
         for b, s in enumerate(part):
             ids[b, : len(s["ids"])] = s["ids"].long()
             mask[b, : len(s["ids"])] = 1
-        logits = target(input_ids=ids, attention_mask=mask).logits
+        hidden = target.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state
+        logits = target.get_output_embeddings()(hidden)
         for b, s in enumerate(part):
+            if features:
+                s["feats"] = hidden[b, : len(s["ids"])].to(torch.bfloat16).clone()
             s.update(label(logits[b, s["start"] : len(s["ids"]) - 1]))
     return samples
 

@@ -70,31 +70,17 @@ class FeatureDraftForCausalLM(ShortlistForCausalLM):
         self,
         input_ids: torch.LongTensor | None = None,
         features: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        past_key_values: Any = None,
         inputs_embeds: torch.Tensor | None = None,
-        use_cache: bool | None = None,
-        logits_to_keep: int | torch.Tensor = 0,
-        shortlist_only: bool = False,
         **kwargs: Any,
     ) -> CausalLMOutputWithPast:
-        """Like :meth:`ShortlistForCausalLM.forward`; ``features`` [B, T, hidden]: the target's feature
-        at each token's previous position, zeros where it is not known (None: none known)."""
+        """:meth:`ShortlistForCausalLM.forward` (every other argument goes to it as it is); ``features``
+        [B, T, hidden]: the target's feature at each token's previous position, zeros where it is not known
+        (None: none known)."""
         if inputs_embeds is None:
             inputs_embeds = self.model.embed_tokens(input_ids)
         if features is not None:
             inputs_embeds = inputs_embeds + self.feature_term(features.to(inputs_embeds.dtype))
-        return super().forward(
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=past_key_values,
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            logits_to_keep=logits_to_keep,
-            shortlist_only=shortlist_only,
-            **kwargs,
-        )
+        return super().forward(inputs_embeds=inputs_embeds, **kwargs)
 
 
 AutoConfig.register(FeatureDraftConfig.model_type, FeatureDraftConfig, exist_ok=True)
