@@ -12,10 +12,11 @@ import torch
 import torch._dynamo
 from conftest import full_logits
 from test_architectures import opt
+from test_shortlist_draft import micro_int8_pair  # noqa: F401 (a fixture, used by name)
 from test_tree import check_tree_forward
 
 from mtad.decoding import generate
-from mtad.decoding.state import CachedLM, DecodeState
+from mtad.decoding.state import CachedLM, DecodeState, draft_lm
 from mtad.decoding.static_lm import StaticLM
 from mtad.models.errors import PairError
 from mtad.models.kernels import candidates, use_linear_kernel
@@ -116,7 +117,7 @@ def test_decoders_on_the_compiled_engine_give_the_eager_engine_s_text_and_never_
                 assert got == ar[: settings.max_new_tokens], settings.method
     assert torch._dynamo.utils.counters["frames"]["ok"] > 0  # the compiled path ran
     st = DecodeState.start(compiled, close_pair.encode("abc"), GREEDY[1])
-    assert isinstance(st.target, StaticLM) and isinstance(st.draft, CachedLM)
+    assert isinstance(st.target, StaticLM) and isinstance(st.draft, StaticLM)  # both models compiled
 
 
 def test_engine_choice_and_refusals(monkeypatch: pytest.MonkeyPatch, tiny_pair) -> None:
@@ -170,3 +171,86 @@ def test_both_product_layouts_compiled_equal_a_full_recompute(tiny_pair, kernel:
     assert (lm.layers[0][1] is True) == (kernel == "onednn")
     eager = model(input_ids=torch.tensor([ids])).logits[0, -1]  # the layers' own packed copies come back
     torch.testing.assert_close(eager, full_logits(tiny_pair.target, ids), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kernel", ["mkl", "onednn"])
+def test_an_int8_shortlist_draft_on_the_compiled_engine_equals_its_eager_forward(
+    micro_int8_pair,  # noqa: F811
+    kernel: str,
+) -> None:
+    """A shortlist draft with int8 layers runs compiled (its layers are Llama layers over dequantised
+    matrices): logits over its shortlist and over the whole vocabulary (-inf off the shortlist) equal the
+    eager draft's, for one row, a block and fanned-out, reordered beams; greedy SD and MTAD on the compiled
+    pair equal greedy AR."""
+    if kernel == "onednn" and "onednn" not in candidates(torch.float32):
+        pytest.skip("needs PyTorch's oneDNN (mkldnn) build")
+    pair = dataclasses.replace(micro_int8_pair, draft=copy.deepcopy(micro_int8_pair.draft), engine="compiled")
+    use_linear_kernel(pair.draft, kernel)
+    static, eager = draft_lm(pair), CachedLM(pair.draft, pair.vocab_size)
+    assert isinstance(static, StaticLM) and (static.layers[0][1] is True) == (kernel == "onednn")
+    ids = [1, 2, 9, 3, 4, 8, 5, 6, 2]
+    feed_both(eager, static, [ids[:5]])
+    for columns in (True, False):  # one token, then a block of three, each rolled back
+        for block in ([ids[5]], ids[5:8]):
+            got = static.feed(torch.tensor([block]), keep=len(block), columns=columns)
+            want = eager.feed(torch.tensor([block]), keep=len(block), columns=columns)
+            assert got.shape[-1] == (6 if columns else pair.vocab_size)
+            assert torch.equal(torch.isinf(got), torch.isinf(want))
+            torch.testing.assert_close(got.nan_to_num(0, 0, 0), want.nan_to_num(0, 0, 0), rtol=1e-4, atol=1e-4)
+            for lm in (static, eager):
+                lm.rollback(5)
+    for lm in (static, eager):
+        lm.cache.fan_out(3)
+    for step in ([[1], [2], [3]], [[4], [5], [6]]):
+        got = static.feed(torch.tensor(step), columns=True)
+        torch.testing.assert_close(got, eager.feed(torch.tensor(step), columns=True), rtol=1e-4, atol=1e-4)
+        for lm in (static, eager):
+            lm.cache.reorder(torch.tensor([1, 1, 0]))
+    ar = generate(pair, "abcab", Settings(method="ar", greedy=True, max_new_tokens=20)).new_ids
+    for method in ("sd", "mtad"):
+        s = Settings(method=method, greedy=True, tau=1.0 if method == "mtad" else 0.1, beams=3, max_new_tokens=20)
+        assert generate(pair, "abcab", s).new_ids == ar, method
+
+
+ONE_ENGINE_RUN = """
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from mtad.decoding.state import CachedLM
+from mtad.decoding.static_lm import StaticLM
+from mtad.models.kernels import use_linear_kernel
+
+torch.manual_seed(0)
+config = LlamaConfig(
+    vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+)
+model = LlamaForCausalLM(config).eval()
+use_linear_kernel(model, "onednn" if torch.backends.mkldnn.is_available() else "mkl")
+static, eager = StaticLM(model, 64), CachedLM(model, 64)
+ids = torch.randint(0, 64, (1, 12))
+static.feed(ids[:, :8]), eager.feed(ids[:, :8])
+for i in range(8, 12):
+    torch.testing.assert_close(static.feed(ids[:, i : i + 1]), eager.feed(ids[:, i : i + 1]), rtol=1e-4, atol=1e-4)
+print("compiled logits equal the eager ones")
+"""
+
+
+@pytest.mark.skipif(
+    torch.backends.cpu.get_cpu_capability() != "AVX512", reason="needs an AVX-512 CPU (to run it as an AVX2 one too)"
+)
+def test_code_compiled_for_one_cpu_capability_is_not_reused_under_another(tmp_path) -> None:  # noqa: ANN001
+    """Inductor's on-disk cache keys leave out a capability forced with ``ATEN_CPU_CAPABILITY``: code cached
+    by an AVX-512 run, loaded by an AVX2 run on the same machine (how the journal emulates an AVX2-only
+    CPU), gave wrong logits or corrupted the heap, and the other way round. The engine keeps one cache
+    folder per capability: two fresh processes on one ``TORCHINDUCTOR_CACHE_DIR``, AVX-512 then AVX2,
+    both give the eager engine's logits."""
+    import os
+    import subprocess
+    import sys
+
+    for capability in ("avx512", "avx2"):
+        env = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+        done = subprocess.run([sys.executable, "-c", ONE_ENGINE_RUN], env=env, capture_output=True, text=True)
+        assert done.returncode == 0 and "logits equal" in done.stdout, (capability, done.stderr[-3000:])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cpu-avx2", "cpu-avx512"]

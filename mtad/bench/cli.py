@@ -17,7 +17,7 @@ from mtad.bench.run import Case, build_cases, run_bench
 from mtad.cli import add_pair_args, add_sampling_args, load_pair_from_args, sampling_settings
 from mtad.decoding import encode_prompt, refusal
 from mtad.decoding.spec import method_names, registry
-from mtad.decoding.static_lm import warm_up
+from mtad.decoding.static_lm import warm_up_pair
 from mtad.energy import EnergyMeter
 from mtad.models.pair import ModelPair
 from mtad.models.presets import default_pair_name, presets
@@ -193,8 +193,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     compile_seconds = None
     if pair.engine == "compiled":  # compile every shape AR and the verifications need before timing
         longest = max(c.settings.gamma for c in cases) + 1
-        compile_seconds = warm_up(pair.target, pair.vocab_size, longest)
-        print(f"compiled engine: {compile_seconds:.0f} s to compile 1 to {longest} tokens", file=sys.stderr)
+        compile_seconds = warm_up_pair(pair, longest)
+        print(f"compiled engine: {compile_seconds:.0f} s to compile the models for 1 to {longest} tokens", file=sys.stderr)
     result = run_bench(
         pair,
         cases,

@@ -13,6 +13,7 @@ from mtad.decoding.kv import KVCache
 from mtad.decoding.static_lm import StaticLM
 from mtad.events import Step
 from mtad.models.pair import ModelPair
+from mtad.models.static_llama import supports
 from mtad.sampling import log_probs, make_generator
 from mtad.settings import Settings, uses_draft
 
@@ -92,6 +93,14 @@ def target_lm(pair: ModelPair, features: Features | None = None) -> CachedLM | S
     return CachedLM(pair.target, pair.vocab_size, features)
 
 
+def draft_lm(pair: ModelPair) -> CachedLM | StaticLM:
+    """The draft as the pair's engine runs it: on the compiled engine it is compiled too when its layers are
+    Llama layers (a shortlist draft's are), else it stays eager."""
+    if pair.engine == "compiled" and supports(pair.draft) is None:
+        return StaticLM(pair.draft, pair.vocab_size)
+    return CachedLM(pair.draft, pair.vocab_size)
+
+
 def reads_features(pair: ModelPair) -> bool:
     """Whether the pair's draft reads the target's features (:mod:`mtad.models.feature_draft`)."""
     return bool(getattr(pair.draft, "reads_features", False))
@@ -130,7 +139,7 @@ class DecodeState:
     ids: list[int]
     prompt_len: int
     target: CachedLM | StaticLM
-    draft: CachedLM | FeatureLM | None
+    draft: CachedLM | StaticLM | FeatureLM | None
     device: torch.device
     eos_ids: frozenset[int]
     generator: torch.Generator
@@ -153,7 +162,7 @@ class DecodeState:
             ids=list(prompt_ids),
             prompt_len=len(prompt_ids),
             target=target_lm(pair, features),
-            draft=CachedLM(pair.draft, pair.vocab_size) if needs_draft and features is None else None,
+            draft=draft_lm(pair) if needs_draft and features is None else None,
             device=pair.device,
             eos_ids=pair.eos_ids,
             generator=make_generator(pair.device, settings.seed),

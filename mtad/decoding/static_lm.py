@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch._dynamo
 
+from mtad.models.pair import ModelPair
 from mtad.models.static_llama import FEW_QUERIES, layer_weights, llama_forward, supports
 
 COMPILED_TOKENS = FEW_QUERIES
@@ -69,6 +70,8 @@ class StaticKV:
         self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
         for buf in self.keys + self.values:
             torch._dynamo.mark_dynamic(buf, 2)  # a larger capacity is the same compiled graph
+            if rows > 1:
+                torch._dynamo.mark_dynamic(buf, 0)  # so is another count of beams or drafts
 
     def crop(self, length: int) -> None:
         """Forget every position from ``length`` on."""
@@ -125,7 +128,8 @@ class StaticLM:
         self.vocab = vocab
         param = next(model.parameters())
         self.cache = StaticKV(model.config, param.dtype, param.device)
-        self.columns: torch.Tensor | None = None
+        # a shortlist draft computes logits for some tokens only (the rest are -inf), as in CachedLM.feed
+        self.columns: torch.Tensor | None = getattr(model, "columns", None)
         self.compile = compile  # False: the same forward, uncompiled (what a prefill runs)
         self.layers = [layer_weights(layer) for layer in model.model.layers]
 
@@ -143,10 +147,11 @@ class StaticLM:
 
     @torch.inference_mode()
     def feed(self, tokens: torch.Tensor, keep: int = 1, columns: bool = False) -> torch.Tensor:
-        """Run ``tokens`` [B, n] after the cached context; fp32 logits of the last ``keep`` positions."""
+        """Run ``tokens`` [B, n] after the cached context; fp32 logits of the last ``keep`` positions
+        (``columns``: over :attr:`columns` only when the model has a shortlist, as ``CachedLM.feed``)."""
         past, n = self.cache.length, tokens.shape[1]
         allow = torch.ones(n, past + n, dtype=torch.bool).tril(diagonal=past)
-        return self._run(tokens, torch.arange(past, past + n), allow, keep)
+        return self._run(tokens, torch.arange(past, past + n), allow, keep, columns)
 
     @torch.inference_mode()
     def feed_masked(self, tokens: torch.Tensor, positions: list[int], allow: torch.Tensor) -> torch.Tensor:
@@ -154,7 +159,9 @@ class StaticLM:
         token tree; fp32 logits of every position [1, n, V]."""
         return self._run(tokens, torch.tensor(positions), allow, tokens.shape[1])
 
-    def _run(self, tokens: torch.Tensor, positions: torch.Tensor, allow: torch.Tensor, keep: int) -> torch.Tensor:
+    def _run(
+        self, tokens: torch.Tensor, positions: torch.Tensor, allow: torch.Tensor, keep: int, columns: bool = False
+    ) -> torch.Tensor:
         rows, n = tokens.shape
         past = self.cache.length
         self.cache.reserve(rows, past + n)  # from one row to several, this fans the context out
@@ -165,7 +172,10 @@ class StaticLM:
         args = (tokens, positions.to(dev), slots, mask, self.cache.keys, self.cache.values, keep, self.layers)
         logits = llama_forward(self.model, *args, compiled=compiled)
         self.cache.length = past + n
-        return logits[..., : self.vocab].float()
+        if self.columns is None or columns:
+            return logits[..., : self.vocab].float()
+        full = logits.new_full((*logits.shape[:-1], self.vocab), float("-inf"), dtype=torch.float32)
+        return full.index_copy_(-1, self.columns, logits.float())
 
 
 def warm_up(model: torch.nn.Module, vocab: int, tokens: int, rows: int = 1) -> float:
@@ -178,4 +188,17 @@ def warm_up(model: torch.nn.Module, vocab: int, tokens: int, rows: int = 1) -> f
     for n in range(1, min(tokens, COMPILED_TOKENS) + 1):
         lm.feed(torch.zeros((rows, n), dtype=torch.long, device=device), keep=n)
         lm.rollback(1)
+    return time.perf_counter() - t0
+
+
+def warm_up_pair(pair: ModelPair, tokens: int) -> float:
+    """Compile what decoding asks of a pair on the compiled engine before anyone waits: the target's and
+    the draft's forwards of 1 … ``tokens`` tokens in one row, and the draft's one token in several rows
+    (beams, Spectr's drafts: one graph serves every count from two on); the seconds it took. A draft that
+    is not a Llama stays eager and compiles nothing."""
+    t0 = time.perf_counter()
+    warm_up(pair.target, pair.vocab_size, tokens)
+    if supports(pair.draft) is None:
+        warm_up(pair.draft, pair.vocab_size, tokens)
+        warm_up(pair.draft, pair.vocab_size, 1, rows=2)
     return time.perf_counter() - t0

@@ -11,9 +11,11 @@ so inductor prepacks them for its own CPU kernels.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 import torch._dynamo
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 from torch.nn import functional as F
 
 from mtad.models.errors import PairError
@@ -34,10 +36,11 @@ def resolve_engine(engine: str | None) -> str:
 
 def supports(model: torch.nn.Module) -> str | None:
     """Why ``model`` cannot run on the compiled engine, or None when it can (a Llama-family decoder whose
-    layers are transformers' Llama layers, as both shipped pairs' targets are)."""
+    layers are transformers' Llama layers, as both shipped pairs' targets are, and the shortlist drafts
+    whose layers are copies of them)."""
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
-    if layers is None or not hasattr(inner, "rotary_emb") or not hasattr(model, "lm_head"):
+    if layers is None or not hasattr(inner, "rotary_emb") or head(model) is None:
         return f"{type(model).__name__} is not a Llama-family causal LM with an lm_head"
     attn = layers[0].self_attn
     if not all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")):
@@ -70,30 +73,46 @@ LayerWeights = tuple[tuple[torch.Tensor, ...], bool, tuple[int, ...]]
 the output width of each of q, k, v, o, gate, up and down."""
 
 
+def head(model: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """What turns a model's final hidden states into its logits: a shortlist draft's logits over its
+    shortlist (:mod:`mtad.models.shortlist_draft`), else the ``lm_head``; None when it has neither."""
+    return getattr(model, "shortlist_logits", None) or getattr(model, "lm_head", None)
+
+
 def layer_weights(layer: torch.nn.Module) -> LayerWeights:
     """A decoder layer's tensors as :func:`decoder_layer` takes them, whether its products are
     oneDNN-packed, and their widths (read once here, not at every forward). Packed: the two norms, then q, k and v as one packed matrix, o, gate and up as one, and
     down (three fewer products a layer: measured 1.5x faster for the five matrices of a SmolLM2 layer at one
     row in bf16); made once per layer and weights, and the layers' own packed copies of the fused matrices
-    are dropped (an eager forward packs them again when it needs them). Else the seven plain matrices."""
+    are dropped (an eager forward packs them again when it needs them). Else the seven plain matrices.
+    An int8 layer (a shortlist draft's) counts with its dequantised matrix, which is what its products
+    multiply by from two rows on, and is packed when its model's kernel is oneDNN."""
     attn, mlp = layer.self_attn, layer.mlp
     linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
     norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+    mats = tuple(lin.dense(norms[0].dtype) if hasattr(lin, "dense") else lin.weight for lin in linears)
     widths = tuple(lin.out_features for lin in linears)
-    if not all(callable(getattr(lin, "packed", None)) for lin in linears):
-        return (*norms, *(lin.weight for lin in linears)), False, widths
-    stamp = tuple((lin.weight.data_ptr(), lin.weight.dtype) for lin in linears)
+    if not all(callable(getattr(lin, "packed", None)) or getattr(lin, "kernel", None) == "onednn" for lin in linears):
+        return (*norms, *mats), False, widths
+    stamp = tuple((m.data_ptr(), m.dtype) for m in mats)
     kept = layer.__dict__.get("_mtad_fused")
     if kept is None or kept[0] != stamp:
         q, k, v, o, gate, up, down = linears
         with torch.inference_mode():
-            qkv = torch.cat([q.weight, k.weight, v.weight]).detach()
-            gate_up = torch.cat([gate.weight, up.weight]).detach()
+            qkv = torch.cat(mats[:3]).detach()
+            gate_up = torch.cat(mats[4:6]).detach()
             fused = tuple(torch.ops.mkldnn._reorder_linear_weight(w, None) for w in (qkv, gate_up))
-            mats = (fused[0], o.packed(), fused[1], down.packed())
+            own = tuple(  # a oneDNN layer's own packed copy, shared with its eager forward
+                lin.packed()
+                if callable(getattr(lin, "packed", None))
+                else torch.ops.mkldnn._reorder_linear_weight(m, None)
+                for lin, m in ((o, mats[3]), (down, mats[6]))
+            )
+            packed = (fused[0], own[0], fused[1], own[1])
         for lin in (q, k, v, gate, up):
-            lin._packed = None
-        kept = layer.__dict__["_mtad_fused"] = (stamp, mats)
+            if hasattr(lin, "_packed"):
+                lin._packed = None
+        kept = layer.__dict__["_mtad_fused"] = (stamp, packed)
     return (*norms, *kept[1]), True, widths
 
 
@@ -173,6 +192,21 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def cache_per_capability() -> str:
+    """Point inductor's on-disk cache at a folder of its own for the CPU capability PyTorch dispatches to
+    (``cpu-avx512`` under ``TORCHINDUCTOR_CACHE_DIR`` or inductor's default); returns that folder.
+
+    Inductor's cache keys leave out a capability forced with ``ATEN_CPU_CAPABILITY`` (how an AVX2-only
+    CPU is emulated on an AVX-512 one), and code cached under one capability, loaded under the other,
+    gave wrong logits or corrupted the heap (torch 2.13, fp32, both product layouts; the journal's
+    2026-11-26 entry). One folder per capability keeps the two apart."""
+    leaf = f"cpu-{torch.backends.cpu.get_cpu_capability().lower()}"
+    base = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
+    if os.path.basename(os.path.normpath(base)) != leaf:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, leaf)
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
 # One compiled layer serves every layer of every model: its weights are inputs, so a new (rows, tokens)
 # shape compiles one layer's graph once, in seconds, not a whole model's.
 compiled_layer = torch.compile(decoder_layer)
@@ -193,17 +227,20 @@ def llama_forward(
     """Logits [rows, keep, V] of the last ``keep`` of ``ids`` [rows, n] at rotary ``positions`` [n], their
     keys and values written at cache ``slots`` [n]; ``mask`` [n, S] (True = attend) over the first S slots.
     ``layers``: :func:`layer_weights` of each layer. The model's own embedding, rotary embedding, final norm
-    and head run eagerly; each decoder layer runs :func:`decoder_layer`, compiled or not."""
+    and :func:`head` run eagerly (a shortlist draft's logits cover its shortlist only); each decoder layer runs :func:`decoder_layer`, compiled or not."""
     inner = model.model
     h = inner.embed_tokens(ids)
     cos, sin = inner.rotary_emb(h, positions.view(1, -1))
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     if compiled:
+        cache_per_capability()
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         torch._dynamo.mark_dynamic(mask, 1)  # a longer context is the same graph
+        if h.shape[0] > 1:
+            torch._dynamo.mark_dynamic(h, 0)  # and so is any count of rows from two on (beams, drafts)
     run = compiled_layer if compiled else decoder_layer
     attn = inner.layers[0].self_attn
     eps = inner.layers[0].input_layernorm.variance_epsilon
     for (weights, packed, widths), k_buf, v_buf in zip(layers, keys, values, strict=True):
         h = run(h, cos, sin, mask, slots, k_buf, v_buf, weights, packed, widths, attn.head_dim, attn.scaling, eps)
-    return model.lm_head(inner.norm(h[:, -keep:]))
+    return head(model)(inner.norm(h[:, -keep:]))

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import torch
 
 from mtad.decoding import decode
-from mtad.decoding.static_lm import warm_up
+from mtad.decoding.static_lm import warm_up_pair
 from mtad.models.errors import PairError
 from mtad.models.pair import ModelPair, load_pair
 from mtad.models.presets import presets
@@ -63,9 +63,9 @@ class PairCache:
                 pair = None
                 try:
                     pair = load_pair(name)
-                    if pair.engine == "compiled":  # every one-row shape the page can ask for, before any visitor
-                        seconds = warm_up(pair.target, pair.vocab_size, int(PARAMS["gamma"].widget_range[1]) + 1)
-                        log.info("compiled the target of %s in %.0f s", name, seconds)
+                    if pair.engine == "compiled":  # every shape the page can ask for, before any visitor
+                        seconds = warm_up_pair(pair, int(PARAMS["gamma"].widget_range[1]) + 1)
+                        log.info("compiled the models of %s in %.0f s", name, seconds)
                 except torch.cuda.OutOfMemoryError:
                     pass  # released below: the traceback holds the half-loaded model until the handler ends
                 if pair is None:
