@@ -194,7 +194,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if pair.engine == "compiled":  # compile every shape AR and the verifications need before timing
         longest = max(c.settings.gamma for c in cases) + 1
         compile_seconds = warm_up_pair(pair, longest)
-        print(f"compiled engine: {compile_seconds:.0f} s to compile the models for 1 to {longest} tokens", file=sys.stderr)
+        print(
+            f"compiled engine: {compile_seconds:.0f} s to compile the models for 1 to {longest} tokens", file=sys.stderr
+        )
     result = run_bench(
         pair,
         cases,
