@@ -20,6 +20,9 @@ from mtad.settings import Settings
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("MTAD_POWERCAP_ROOT", "/nonexistent/powercap")  # no host RAPL in figures: tests fake it
 os.environ.setdefault("MTAD_DTYPE", "float32")  # fp32 on every host; a CPU with native bf16 would pick bf16
+os.environ.setdefault(
+    "MTAD_ENGINE", "eager"
+)  # auto would compile each tiny model; the compiled engine's tests ask for it
 torch.set_num_threads(2)
 
 EOS = "<eos>"

@@ -96,6 +96,8 @@ GREEDY = [
     Settings(method="mtad", greedy=True, gamma=4, beams=3, max_new_tokens=24),
     Settings(method="mtad-tree", greedy=True, gamma=3, beams=3, max_new_tokens=24),
     Settings(method="specinfer", greedy=True, gamma=3, num_drafts=3, max_new_tokens=24),
+    Settings(method="spectr", greedy=True, gamma=3, num_drafts=3, max_new_tokens=24),
+    Settings(method="bild", greedy=True, gamma=5, tau2=0.0, max_new_tokens=24),
     Settings(method="mtjd", greedy=True, gamma=2, beams=2, max_new_tokens=12),
 ]
 
@@ -113,7 +115,7 @@ def test_decoders_on_the_compiled_engine_give_the_eager_engine_s_text_and_never_
             with torch._dynamo.config.patch(error_on_recompile=prompt != "abc def"):
                 got = generate(compiled, prompt, settings).new_ids
             assert got == generate(close_pair, prompt, settings).new_ids, settings
-            if settings.greedy and settings.method in ("ar", "sd", "specinfer"):
+            if settings.greedy and settings.method in ("ar", "sd", "specinfer", "spectr", "bild"):
                 assert got == ar[: settings.max_new_tokens], settings.method
     assert torch._dynamo.utils.counters["frames"]["ok"] > 0  # the compiled path ran
     st = DecodeState.start(compiled, close_pair.encode("abc"), GREEDY[1])
@@ -122,7 +124,7 @@ def test_decoders_on_the_compiled_engine_give_the_eager_engine_s_text_and_never_
 
 def test_engine_choice_and_refusals(monkeypatch: pytest.MonkeyPatch, tiny_pair) -> None:
     monkeypatch.delenv("MTAD_ENGINE", raising=False)
-    assert resolve_engine("compiled") == "compiled" and resolve_engine(None) == "eager"
+    assert resolve_engine("compiled") == "compiled" and resolve_engine(None) == "auto"
     assert tiny_pair.engine == "eager" and supports(tiny_pair.target) is None
     monkeypatch.setenv("MTAD_ENGINE", "compiled")
     assert resolve_engine("auto") == "compiled"
@@ -132,6 +134,59 @@ def test_engine_choice_and_refusals(monkeypatch: pytest.MonkeyPatch, tiny_pair) 
     assert "not a Llama-family" in supports(other)
     with pytest.raises(ValueError, match="compiled engine cannot run this model"):
         StaticLM(other, 64)
+
+
+def test_auto_compiles_on_a_cpu_where_the_engine_can_run_the_target(monkeypatch: pytest.MonkeyPatch, tiny_dirs) -> None:
+    """``auto`` (no ``MTAD_ENGINE``): a CPU pair whose target is a Llama loads compiled; a target the engine
+    cannot run, a draft that reads the target's features, or a GPU keep the eager engine; a named engine stays."""
+    import types
+
+    from mtad.models.pair import load
+    from mtad.models.static_llama import choose_engine
+
+    monkeypatch.delenv("MTAD_ENGINE", raising=False)
+    pair = load(*tiny_dirs, device="cpu")
+    assert pair.engine == "compiled"
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert choose_engine("auto", cpu, pair.draft, pair.target) == "compiled"
+    assert choose_engine("auto", gpu, pair.draft, pair.target) == "eager"
+    assert choose_engine("auto", cpu, pair.draft, opt(64, 32, 1, 1)) == "eager"
+    assert choose_engine("auto", cpu, types.SimpleNamespace(reads_features=True), pair.target) == "eager"
+    assert choose_engine("eager", cpu, pair.draft, pair.target) == "eager"
+    assert load(*tiny_dirs, device="cpu", engine="eager").engine == "eager"
+
+
+def test_generate_decodes_one_prompt_eagerly_unless_told_and_compiles_before_its_clock(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, tiny_dirs
+) -> None:
+    """``python -m mtad generate`` on ``auto`` runs eager (one prompt); ``--engine compiled`` compiles the
+    models first and says how long that took, apart from the decoding's own speed."""
+    from mtad.cli import main
+
+    monkeypatch.delenv("MTAD_ENGINE", raising=False)
+    draft, target = tiny_dirs
+    common = ["generate", "--draft", draft, "--target", target, "--device", "cpu", "--prompt", "abc", "--json"]
+    assert main(common + ["--max-new-tokens", "8"]) == 0
+    assert "compiled engine" not in capsys.readouterr().err
+    assert main(common + ["--max-new-tokens", "8", "--engine", "compiled"]) == 0
+    assert "compiled engine: " in capsys.readouterr().err
+
+
+def test_the_page_says_when_it_compiles_and_what_runs_compiled(monkeypatch: pytest.MonkeyPatch, tiny_dirs) -> None:
+    """The page expects to compile (its loading message, its start-up preload) on ``MTAD_ENGINE=compiled``,
+    and on ``auto`` without a GPU, never on ``eager``; its status line names the models that run compiled."""
+    from mtad.models.pair import load
+    from mtad.ui.pickers import pair_facts
+    from mtad.ui.run import compiled_engine
+
+    monkeypatch.setenv("MTAD_ENGINE", "eager")
+    assert not compiled_engine()
+    monkeypatch.setenv("MTAD_ENGINE", "compiled")
+    assert compiled_engine()
+    monkeypatch.delenv("MTAD_ENGINE")
+    assert compiled_engine() is not torch.cuda.is_available()
+    assert "compiled target and draft (torch" in pair_facts(load(*tiny_dirs, device="cpu", engine="compiled"))
+    assert "compiled" not in pair_facts(load(*tiny_dirs, device="cpu", engine="eager"))
 
 
 def test_the_page_s_pairs_load_compiled_and_warm(monkeypatch: pytest.MonkeyPatch) -> None:

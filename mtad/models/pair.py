@@ -24,7 +24,7 @@ from mtad.models.errors import PairError
 from mtad.models.gguf_cache import materialize
 from mtad.models.presets import OFFLINE_PAIR, presets
 from mtad.models.shortlist_draft import Int8Linear
-from mtad.models.static_llama import resolve_engine, supports
+from mtad.models.static_llama import choose_engine, resolve_engine, supports
 
 
 @dataclass
@@ -139,6 +139,7 @@ def load(
             f"a model's output layer is smaller than the tokenizer: draft {sizes[0]}, target {sizes[1]}, "
             f"tokenizer {len(tok_t)} tokens"
         )
+    engine = choose_engine(engine, dev, *models)
     if engine == "compiled" and getattr(models[0], "reads_features", False):
         raise PairError("the compiled engine does not keep the target's features this draft reads; use --engine eager")
     if engine == "compiled" and (why := supports(models[1])) is not None:

@@ -26,12 +26,25 @@ FEW_QUERIES = 16
 
 
 def resolve_engine(engine: str | None) -> str:
-    """An explicit engine wins, then the operator's ``MTAD_ENGINE``, else ``eager``."""
+    """An explicit engine wins, then the operator's ``MTAD_ENGINE``, else ``auto`` (:func:`choose_engine`
+    decides once the models are loaded)."""
     if engine in (None, "auto"):
-        engine = os.environ.get("MTAD_ENGINE") or "eager"
-    if engine not in ENGINES:
+        engine = os.environ.get("MTAD_ENGINE") or "auto"
+    if engine not in ("auto", *ENGINES):
         raise PairError(f"engine must be auto or one of {', '.join(ENGINES)}; got {engine!r}")
     return engine
+
+
+def choose_engine(engine: str, device: torch.device, draft: torch.nn.Module, target: torch.nn.Module) -> str:
+    """What ``auto`` means for a loaded pair: ``compiled`` on a CPU when the engine can run the target and
+    the draft reads none of the target's features (the bench measured every decoder faster compiled there,
+    in bf16 and in fp32 on AVX2; docs/benchmarks.md), else ``eager`` (a GPU runs eager until the compiled
+    engine has been measured on one). An explicit engine is returned as it is."""
+    if engine != "auto":
+        return engine
+    if device.type == "cpu" and supports(target) is None and not getattr(draft, "reads_features", False):
+        return "compiled"
+    return "eager"
 
 
 def supports(model: torch.nn.Module) -> str | None:

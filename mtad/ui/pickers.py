@@ -12,6 +12,7 @@ import transformers
 from mtad.decoding.spec import racers
 from mtad.models.devices import configure_cpu_threads, resolve_device
 from mtad.models.presets import default_pair_name, presets
+from mtad.models.static_llama import supports
 from mtad.ui import availability
 from mtad.ui.inputs import example_prompts
 from mtad.ui.record import LABELS, RunRecord
@@ -143,7 +144,11 @@ def pair_facts(pair: object) -> str:
     attention = getattr(pair.target.config, "_attn_implementation", None) or "eager"
     engine = f"transformers {transformers.__version__}, {attention} attention"
     if pair.engine == "compiled":
-        engine = f"compiled target (torch {torch.__version__.split('+')[0]} inductor), {engine} for the draft"
+        inductor = f"torch {torch.__version__.split('+')[0]} inductor"
+        if supports(pair.draft) is None:
+            engine = f"compiled target and draft ({inductor})"
+        else:
+            engine = f"compiled target ({inductor}), {engine} for the draft"
     return f"draft {millions(d)}, target {millions(t)} parameters · {dtype} · {escape(engine)}"
 
 

@@ -14,6 +14,7 @@ import torch
 from mtad.decoding import encode_prompt, refusal
 from mtad.models.errors import PairError
 from mtad.models.presets import presets
+from mtad.models.static_llama import resolve_engine
 from mtad.settings import Settings
 from mtad.ui import availability, race
 from mtad.ui.form import RunForm
@@ -124,8 +125,10 @@ def _run(session: str, form: RunForm) -> Iterator[tuple]:
 
 
 def compiled_engine() -> bool:
-    """True when the operator serves the page on the compiled engine (``MTAD_ENGINE=compiled``)."""
-    return os.environ.get("MTAD_ENGINE") == "compiled"
+    """True when pairs load on the compiled engine here: ``MTAD_ENGINE=compiled``, or ``auto`` (the default)
+    on a server without a GPU (``mtad.models.static_llama.choose_engine``: a Llama target is compiled there)."""
+    engine = resolve_engine(None)
+    return engine == "compiled" or (engine == "auto" and not torch.cuda.is_available())
 
 
 def _generate(session: str, form: RunForm) -> Iterator[tuple]:
@@ -142,7 +145,7 @@ def _generate(session: str, form: RunForm) -> Iterator[tuple]:
         yield blank_outputs(stopped, "Stopped before start.", race)
         return
     if not PAGE.pairs.loaded(pair_name):
-        compiling = " and compiling its target for this machine, a minute or two" if compiled_engine() else ""
+        compiling = " and compiling it for this machine, under a minute" if compiled_engine() else ""
         yield blank_outputs(message_html(), f"Loading the pair `{pair_name}`{compiling} (first run only)…", race)
     try:
         pair = PAGE.pairs.get(pair_name)
