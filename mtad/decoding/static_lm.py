@@ -1,4 +1,4 @@
-"""The compiled engine's side of decoding: a target over a static key/value buffer (:class:`StaticLM`).
+"""The compiled engine's side of decoding: a target or a draft over a static key/value buffer (:class:`StaticLM`).
 
 :class:`StaticLM` answers the same calls as :class:`~mtad.decoding.state.CachedLM` (feed, a masked feed
 for token trees, rollback, the cache's row and position operations), with
@@ -6,8 +6,9 @@ for token trees, rollback, the cache's row and position operations), with
 repeats are compiled: up to :data:`COMPILED_TOKENS` tokens in up to :data:`COMPILED_ROWS` rows (one new
 token, a verification of γ + 1 tokens or a token tree, beams); a prompt's prefill runs the same function
 uncompiled. The attended length is dynamic (marked so before the first compile), so a growing context
-never recompiles; each new (rows, tokens) shape compiles once per process. Rolling back is moving the
-length: slots past it are masked and overwritten.
+never recompiles, and so is the row count from two rows on (any beam width is one graph); each new
+(one row or several, tokens) shape compiles once per process. Rolling back is moving the length: slots
+past it are masked and overwritten.
 """
 
 from __future__ import annotations
