@@ -223,7 +223,7 @@ def test_both_product_layouts_compiled_equal_a_full_recompute(tiny_pair, kernel:
     for j in range(4):
         expected = full_logits(tiny_pair.target, ids[: len(ids) - 3 + j])
         torch.testing.assert_close(block[j], expected, rtol=1e-4, atol=1e-4)
-    assert (lm.layers[0][1] is True) == (kernel == "onednn")
+    assert lm.layers[0][1] == ("packed" if kernel == "onednn" else "plain")
     eager = model(input_ids=torch.tensor([ids])).logits[0, -1]  # the layers' own packed copies come back
     torch.testing.assert_close(eager, full_logits(tiny_pair.target, ids), rtol=1e-4, atol=1e-4)
 
@@ -242,7 +242,7 @@ def test_an_int8_shortlist_draft_on_the_compiled_engine_equals_its_eager_forward
     pair = dataclasses.replace(micro_int8_pair, draft=copy.deepcopy(micro_int8_pair.draft), engine="compiled")
     use_linear_kernel(pair.draft, kernel)
     static, eager = draft_lm(pair), CachedLM(pair.draft, pair.vocab_size)
-    assert isinstance(static, StaticLM) and (static.layers[0][1] is True) == (kernel == "onednn")
+    assert isinstance(static, StaticLM) and static.layers[0][1] == ("packed" if kernel == "onednn" else "plain")
     ids = [1, 2, 9, 3, 4, 8, 5, 6, 2]
     feed_both(eager, static, [ids[:5]])
     for columns in (True, False):  # one token, then a block of three, each rolled back
@@ -265,6 +265,42 @@ def test_an_int8_shortlist_draft_on_the_compiled_engine_equals_its_eager_forward
     for method in ("sd", "mtad"):
         s = Settings(method=method, greedy=True, tau=1.0 if method == "mtad" else 0.1, beams=3, max_new_tokens=20)
         assert generate(pair, "abcab", s).new_ids == ar, method
+
+
+def test_an_int8_draft_s_one_row_bf16_forward_multiplies_with_the_int8_kernel_on_both_engines(
+    micro_int8_pair,  # noqa: F811
+) -> None:
+    """In bf16 on a CPU an int8 draft's one-token, one-row forward reads its int8 matrices on the compiled
+    engine as on the eager one (half the bytes of its dequantised bf16 matrices): the compiled logits equal
+    the eager ones to bf16 rounding, and the product operator equals the int8 layer it stands for exactly;
+    several rows, and fp32, keep the dequantised matrices."""
+    from mtad.models.shortlist_draft import Int8Linear
+    from mtad.models.static_llama import int8_layer_weights, int8_linear
+
+    draft = copy.deepcopy(micro_int8_pair.draft).to(torch.bfloat16)
+    layer = draft.model.layers[0]
+    assert int8_layer_weights(micro_int8_pair.draft.model.layers[0]) is None  # fp32: the dense form
+    weights, form, widths = int8_layer_weights(layer)
+    assert form == "int8" and weights[2].dtype == torch.int8 and weights[3].dtype == torch.bfloat16
+    x = torch.randn(1, 1, draft.config.hidden_size, dtype=torch.bfloat16)
+    proj = layer.self_attn
+    with torch.inference_mode():
+        qkv = int8_linear(x, weights[2], weights[3], sum(widths[:3]))
+        eager = torch.cat([proj.q_proj(x), proj.k_proj(x), proj.v_proj(x)], dim=-1)
+    assert isinstance(proj.q_proj, Int8Linear) and torch.equal(qkv, eager)
+    static, cached = StaticLM(draft, micro_int8_pair.vocab_size), CachedLM(draft, micro_int8_pair.vocab_size)
+    assert static.one_token is not None
+    ids = torch.tensor([[1, 2, 9, 3, 4]])
+    static.feed(ids), cached.feed(ids)
+    for token in (5, 6, 2):
+        with torch.profiler.profile() as prof:
+            got = static.feed(torch.tensor([[token]]), columns=True)
+        torch.testing.assert_close(got, cached.feed(torch.tensor([[token]]), columns=True), rtol=5e-2, atol=1e-1)
+        assert any(e.name == "mtad::int8_linear" for e in prof.events()), "the int8 kernel did not run"
+    static.cache.fan_out(2)
+    with torch.profiler.profile() as prof:
+        static.feed(torch.tensor([[5], [6]]), columns=True)
+    assert not any(e.name == "mtad::int8_linear" for e in prof.events())
 
 
 ONE_ENGINE_RUN = """

@@ -20,7 +20,7 @@ import torch
 import torch._dynamo
 
 from mtad.models.pair import ModelPair
-from mtad.models.static_llama import FEW_QUERIES, layer_weights, llama_forward, supports
+from mtad.models.static_llama import FEW_QUERIES, int8_layer_weights, layer_weights, llama_forward, supports
 
 COMPILED_TOKENS = FEW_QUERIES
 COMPILED_ROWS = 16
@@ -133,6 +133,9 @@ class StaticLM:
         self.columns: torch.Tensor | None = getattr(model, "columns", None)
         self.compile = compile  # False: the same forward, uncompiled (what a prefill runs)
         self.layers = [layer_weights(layer) for layer in model.model.layers]
+        int8 = [int8_layer_weights(layer) for layer in model.model.layers]
+        # a one-token, one-row forward of an int8 draft in bf16 multiplies with the int8 kernel, as on the eager engine
+        self.one_token: list | None = int8 if all(int8) else None
 
     @property
     def length(self) -> int:
@@ -170,7 +173,8 @@ class StaticLM:
         slots = torch.arange(past, past + n, device=dev)
         mask = allow.to(dev)
         compiled = self.compile and past > 0 and n <= COMPILED_TOKENS and rows <= COMPILED_ROWS
-        args = (tokens, positions.to(dev), slots, mask, self.cache.keys, self.cache.values, keep, self.layers)
+        layers = self.one_token if self.one_token is not None and rows * n == 1 else self.layers
+        args = (tokens, positions.to(dev), slots, mask, self.cache.keys, self.cache.values, keep, layers)
         logits = llama_forward(self.model, *args, compiled=compiled)
         self.cache.length = past + n
         if self.columns is None or columns:

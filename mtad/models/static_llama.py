@@ -81,9 +81,24 @@ def _(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], out_features)
 
 
-LayerWeights = tuple[tuple[torch.Tensor, ...], bool, tuple[int, ...]]
-"""A decoder layer as :func:`decoder_layer` takes it: its tensors, whether its products are packed, and
-the output width of each of q, k, v, o, gate, up and down."""
+@torch.library.custom_op("mtad::int8_linear", mutates_args=())
+def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``x @ (qweight * scale[:, None]).T`` by PyTorch's int8-weight kernel (``aten._weight_int8pack_mm``), which
+    reads half the bytes of a bf16 product: what an int8 draft's one-row bf16 forward multiplies with on
+    either engine (:class:`mtad.models.shortlist_draft.Int8Linear`)."""
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    return torch.ops.aten._weight_int8pack_mm(flat, qweight, scale).reshape(*x.shape[:-1], out_features)
+
+
+@int8_linear.register_fake
+def _(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, out_features: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+LayerWeights = tuple[tuple[torch.Tensor, ...], str, tuple[int, ...]]
+"""A decoder layer as :func:`decoder_layer` takes it: its tensors, the form of its products (``plain``,
+``packed`` or ``int8``, :func:`layer_weights`), and the output width of each of q, k, v, o, gate, up and
+down."""
 
 
 def head(model: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
@@ -93,8 +108,8 @@ def head(model: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | Non
 
 
 def layer_weights(layer: torch.nn.Module) -> LayerWeights:
-    """A decoder layer's tensors as :func:`decoder_layer` takes them, whether its products are
-    oneDNN-packed, and their widths (read once here, not at every forward). Packed: the two norms, then q, k and v as one packed matrix, o, gate and up as one, and
+    """A decoder layer's tensors as :func:`decoder_layer` takes them, the form of its products (``packed``
+    when oneDNN-packed, else ``plain``), and their widths (read once here, not at every forward). Packed: the two norms, then q, k and v as one packed matrix, o, gate and up as one, and
     down (three fewer products a layer: measured 1.5x faster for the five matrices of a SmolLM2 layer at one
     row in bf16); made once per layer and weights, and the layers' own packed copies of the fused matrices
     are dropped (an eager forward packs them again when it needs them). Else the seven plain matrices.
@@ -106,7 +121,7 @@ def layer_weights(layer: torch.nn.Module) -> LayerWeights:
     mats = tuple(lin.dense(norms[0].dtype) if hasattr(lin, "dense") else lin.weight for lin in linears)
     widths = tuple(lin.out_features for lin in linears)
     if not all(callable(getattr(lin, "packed", None)) or getattr(lin, "kernel", None) == "onednn" for lin in linears):
-        return (*norms, *mats), False, widths
+        return (*norms, *mats), "plain", widths
     stamp = tuple((m.data_ptr(), m.dtype) for m in mats)
     kept = layer.__dict__.get("_mtad_fused")
     if kept is None or kept[0] != stamp:
@@ -126,7 +141,29 @@ def layer_weights(layer: torch.nn.Module) -> LayerWeights:
             if hasattr(lin, "_packed"):
                 lin._packed = None
         kept = layer.__dict__["_mtad_fused"] = (stamp, packed)
-    return (*norms, *kept[1]), True, widths
+    return (*norms, *kept[1]), "packed", widths
+
+
+def int8_layer_weights(layer: torch.nn.Module) -> LayerWeights | None:
+    """An int8 layer's tensors for a one-row bf16 CPU forward, in the ``int8`` form: the two norms, then q, k
+    and v as one int8 matrix and its row scales, o's, gate and up as one, and down's; None unless every
+    product of the layer is an int8 one (a shortlist draft's) in bf16 on a CPU, where the eager engine too
+    multiplies one row with the int8 kernel (and, right after a target forward has pushed the draft's
+    weights out of the cache, reading half the bytes is what counts)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+    if norms[0].dtype != torch.bfloat16 or norms[0].device.type != "cpu":
+        return None
+    if not all(hasattr(lin, "qweight") for lin in linears):
+        return None
+    with torch.inference_mode():
+        groups = (linears[:3], linears[3:4], linears[4:6], linears[6:])
+        tensors = []
+        for group in groups:  # a concatenation is a fresh, aligned tensor; one matrix is copied to be aligned
+            tensors.append(torch.cat([lin.qweight for lin in group]).clone())
+            tensors.append(torch.cat([lin.scale for lin in group]).to(torch.bfloat16))
+    return (*norms, *tensors), "int8", tuple(lin.out_features for lin in linears)
 
 
 def decoder_layer(
@@ -138,7 +175,7 @@ def decoder_layer(
     k_buf: torch.Tensor,
     v_buf: torch.Tensor,
     weights: tuple[torch.Tensor, ...],
-    packed: bool,
+    form: str,
     widths: tuple[int, ...],
     head_dim: int,
     scaling: float,
@@ -146,17 +183,24 @@ def decoder_layer(
 ) -> torch.Tensor:
     """One Llama decoder layer over ``h`` [rows, n, hidden] (transformers' ``LlamaDecoderLayer`` in one
     function): keys and values written at ``slots`` of the buffers, attention over the first
-    ``mask.shape[-1]`` slots. ``weights`` and ``packed``: :func:`layer_weights`; ``widths``: the output
-    width of each of q, k, v, o, gate, up and down."""
+    ``mask.shape[-1]`` slots. ``weights`` and ``form``: :func:`layer_weights` or :func:`int8_layer_weights`;
+    ``widths``: the output width of each of q, k, v, o, gate, up and down."""
     q_n, k_n, v_n, o_n, g_n, u_n, d_n = widths
     rows, n, _ = h.shape
+    mats = weights[2:]
+
+    def product(x: torch.Tensor, i: int, width: int) -> torch.Tensor:
+        """The i-th product of the fused forms: q, k and v; o; gate and up; down (see layer_weights)."""
+        if form == "int8":
+            return int8_linear(x, mats[2 * i], mats[2 * i + 1], width)
+        return packed_linear(x, mats[i], width)
+
     x = _rms_norm(h, weights[0], eps)
-    if packed:  # q, k and v in one product, gate and up in one (see layer_weights)
-        qkv_w, o_w, gu_w, d_w = weights[2:]
-        q, k, v = packed_linear(x, qkv_w, q_n + k_n + v_n).split([q_n, k_n, v_n], dim=-1)
-    else:
-        q_w, k_w, v_w, o_w, g_w, u_w, d_w = weights[2:]
+    if form == "plain":
+        q_w, k_w, v_w, o_w, g_w, u_w, d_w = mats
         q, k, v = F.linear(x, q_w), F.linear(x, k_w), F.linear(x, v_w)
+    else:  # q, k and v in one product, gate and up in one
+        q, k, v = product(x, 0, q_n + k_n + v_n).split([q_n, k_n, v_n], dim=-1)
     q = q.reshape(rows, n, -1, head_dim).transpose(1, 2)
     k = k.reshape(rows, n, -1, head_dim).transpose(1, 2)
     v = v.reshape(rows, n, -1, head_dim).transpose(1, 2)
@@ -164,12 +208,12 @@ def decoder_layer(
     k_buf.index_copy_(2, slots, k)
     v_buf.index_copy_(2, slots, v)
     o = _attention(q, k_buf, v_buf, mask, scaling).transpose(1, 2).reshape(rows, n, -1)
-    h = h + (packed_linear(o, o_w, o_n) if packed else F.linear(o, o_w))
+    h = h + (F.linear(o, o_w) if form == "plain" else product(o, 1, o_n))
     x = _rms_norm(h, weights[1], eps)
-    if packed:
-        gate, up = packed_linear(x, gu_w, g_n + u_n).split([g_n, u_n], dim=-1)
-        return h + packed_linear(F.silu(gate) * up, d_w, d_n)
-    return h + F.linear(F.silu(F.linear(x, g_w)) * F.linear(x, u_w), d_w)
+    if form == "plain":
+        return h + F.linear(F.silu(F.linear(x, g_w)) * F.linear(x, u_w), d_w)
+    gate, up = product(x, 2, g_n + u_n).split([g_n, u_n], dim=-1)
+    return h + product(F.silu(gate) * up, 3, d_n)
 
 
 def _attention(
@@ -254,6 +298,6 @@ def llama_forward(
     run = compiled_layer if compiled else decoder_layer
     attn = inner.layers[0].self_attn
     eps = inner.layers[0].input_layernorm.variance_epsilon
-    for (weights, packed, widths), k_buf, v_buf in zip(layers, keys, values, strict=True):
-        h = run(h, cos, sin, mask, slots, k_buf, v_buf, weights, packed, widths, attn.head_dim, attn.scaling, eps)
+    for (weights, form, widths), k_buf, v_buf in zip(layers, keys, values, strict=True):
+        h = run(h, cos, sin, mask, slots, k_buf, v_buf, weights, form, widths, attn.head_dim, attn.scaling, eps)
     return head(model)(inner.norm(h[:, -keep:]))
