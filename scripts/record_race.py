@@ -64,6 +64,7 @@ def main() -> None:
         "pair": args.pair,
         "device": device,
         "dtype": str(pair.dtype).removeprefix("torch."),
+        "engine": pair.engine,
         "recorded": datetime.date.today().isoformat(),
         "prompt": prompt,
         "settings": {k: settings.to_dict()[k] for k in ("tau", "beams", "gamma", "max_new_tokens", "greedy", "seed")},

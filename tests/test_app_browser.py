@@ -458,6 +458,7 @@ def test_first_visit_shows_a_recorded_race_and_the_ar_lane(page):
     race = page.locator("#race .mtad-race")
     race.wait_for(timeout=30_000)
     assert recorded["device"] in race.inner_text() and recorded["pair"] in race.inner_text()
+    assert f"{recorded['dtype']}, {recorded['engine']} engine" in race.inner_text()
     rows = page.locator("#race .race-row")
     assert [rows.nth(i).get_attribute("data-method") for i in range(rows.count())] == ["sd", "mtad", "ar"]
     bar = page.evaluate(

@@ -110,7 +110,9 @@ def recorded_race_html() -> str:
     s = data.get("settings", {})
     caption = (
         f"A race recorded earlier, before you wait for anything: pair {data['pair']} on {data['device']} "
-        f"({data['dtype']}, {data['recorded']}), {s.get('max_new_tokens')} new tokens, γ = {s.get('gamma')}, "
+        f"({data['dtype']}, {data.get('engine', 'eager')} engine, {data['recorded']}), "
+        f"{s.get('max_new_tokens')} new tokens, "
+        f"γ = {s.get('gamma')}, "
         f"W = {s.get('beams')}, τ = {s.get('tau')}, prompt “{data['prompt'][:60]}…”. Press Run for your own."
     )
     return race_html(data["lanes"], caption)
