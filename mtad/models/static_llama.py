@@ -115,9 +115,7 @@ def layer_weights(layer: torch.nn.Module) -> LayerWeights:
     are dropped (an eager forward packs them again when it needs them). Else the seven plain matrices.
     An int8 layer (a shortlist draft's) counts with its dequantised matrix, which is what its products
     multiply by from two rows on, and is packed when its model's kernel is oneDNN."""
-    attn, mlp = layer.self_attn, layer.mlp
-    linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-    norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+    linears, norms = _parts(layer)
     mats = tuple(lin.dense(norms[0].dtype) if hasattr(lin, "dense") else lin.weight for lin in linears)
     widths = tuple(lin.out_features for lin in linears)
     if not all(callable(getattr(lin, "packed", None)) or getattr(lin, "kernel", None) == "onednn" for lin in linears):
@@ -150,20 +148,29 @@ def int8_layer_weights(layer: torch.nn.Module) -> LayerWeights | None:
     product of the layer is an int8 one (a shortlist draft's) in bf16 on a CPU, where the eager engine too
     multiplies one row with the int8 kernel (and, right after a target forward has pushed the draft's
     weights out of the cache, reading half the bytes is what counts)."""
-    attn, mlp = layer.self_attn, layer.mlp
-    linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-    norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+    linears, norms = _parts(layer)
     if norms[0].dtype != torch.bfloat16 or norms[0].device.type != "cpu":
         return None
     if not all(hasattr(lin, "qweight") for lin in linears):
         return None
-    with torch.inference_mode():
-        groups = (linears[:3], linears[3:4], linears[4:6], linears[6:])
-        tensors = []
-        for group in groups:  # a concatenation is a fresh, aligned tensor; one matrix is copied to be aligned
-            tensors.append(torch.cat([lin.qweight for lin in group]).clone())
-            tensors.append(torch.cat([lin.scale for lin in group]).to(torch.bfloat16))
-    return (*norms, *tensors), "int8", tuple(lin.out_features for lin in linears)
+    stamp = tuple((lin.qweight.data_ptr(), lin.scale.data_ptr()) for lin in linears)
+    kept = layer.__dict__.get("_mtad_int8")
+    if kept is None or kept[0] != stamp:  # made once per layer and weights, not per generation
+        with torch.inference_mode():
+            tensors = []
+            for group in (linears[:3], linears[3:4], linears[4:6], linears[6:]):
+                # a concatenation is a fresh tensor from PyTorch's allocator, 64-byte aligned as the kernel needs
+                tensors.append(torch.cat([lin.qweight for lin in group]))
+                tensors.append(torch.cat([lin.scale for lin in group]).to(torch.bfloat16))
+        kept = layer.__dict__["_mtad_int8"] = (stamp, tuple(tensors))
+    return (*norms, *kept[1]), "int8", tuple(lin.out_features for lin in linears)
+
+
+def _parts(layer: torch.nn.Module) -> tuple[tuple[torch.nn.Module, ...], tuple[torch.Tensor, torch.Tensor]]:
+    """A Llama decoder layer's q, k, v, o, gate, up and down projections, and its two norms' weights."""
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    return linears, (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
 
 
 def decoder_layer(
