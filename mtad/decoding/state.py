@@ -10,10 +10,9 @@ import torch
 
 from mtad.decoding.features import FeatureLM, Features
 from mtad.decoding.kv import KVCache
-from mtad.decoding.static_lm import StaticLM
+from mtad.decoding.static_lm import StaticLM, compiles_draft
 from mtad.events import Step
 from mtad.models.pair import ModelPair
-from mtad.models.static_llama import supports
 from mtad.sampling import log_probs, make_generator
 from mtad.settings import Settings, uses_draft
 
@@ -96,7 +95,7 @@ def target_lm(pair: ModelPair, features: Features | None = None) -> CachedLM | S
 def draft_lm(pair: ModelPair) -> CachedLM | StaticLM:
     """The draft as the pair's engine runs it: on the compiled engine it is compiled too when its layers are
     Llama layers (a shortlist draft's are), else it stays eager."""
-    if pair.engine == "compiled" and supports(pair.draft) is None:
+    if compiles_draft(pair):
         return StaticLM(pair.draft, pair.vocab_size)
     return CachedLM(pair.draft, pair.vocab_size)
 

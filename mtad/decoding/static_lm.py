@@ -196,6 +196,12 @@ def warm_up(model: torch.nn.Module, vocab: int, tokens: int, rows: int = 1) -> f
     return time.perf_counter() - t0
 
 
+def compiles_draft(pair: ModelPair) -> bool:
+    """Whether the pair's draft runs on the compiled engine: the pair's engine is compiled and the draft's
+    layers are Llama layers (a shortlist draft's are); any other draft stays eager beside a compiled target."""
+    return pair.engine == "compiled" and supports(pair.draft) is None
+
+
 def warm_up_pair(pair: ModelPair, tokens: int) -> float:
     """Compile what decoding asks of a pair on the compiled engine before anyone waits: the target's and
     the draft's forwards of 1 … ``tokens`` tokens in one row, and the draft's one token in several rows
@@ -203,7 +209,7 @@ def warm_up_pair(pair: ModelPair, tokens: int) -> float:
     is not a Llama stays eager and compiles nothing."""
     t0 = time.perf_counter()
     warm_up(pair.target, pair.vocab_size, tokens)
-    if supports(pair.draft) is None:
+    if compiles_draft(pair):
         warm_up(pair.draft, pair.vocab_size, tokens)
         warm_up(pair.draft, pair.vocab_size, 1, rows=2)
     return time.perf_counter() - t0

@@ -10,9 +10,9 @@ import torch
 import transformers
 
 from mtad.decoding.spec import racers
+from mtad.decoding.static_lm import compiles_draft
 from mtad.models.devices import configure_cpu_threads, resolve_device
 from mtad.models.presets import default_pair_name, presets
-from mtad.models.static_llama import supports
 from mtad.ui import availability
 from mtad.ui.inputs import example_prompts
 from mtad.ui.record import LABELS, RunRecord
@@ -145,7 +145,7 @@ def pair_facts(pair: object) -> str:
     engine = f"transformers {transformers.__version__}, {attention} attention"
     if pair.engine == "compiled":
         inductor = f"torch {torch.__version__.split('+')[0]} inductor"
-        if supports(pair.draft) is None:
+        if compiles_draft(pair):
             engine = f"compiled target and draft ({inductor})"
         else:
             engine = f"compiled target ({inductor}), {engine} for the draft"
