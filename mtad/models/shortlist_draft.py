@@ -26,8 +26,18 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, LlamaConfig
 from transformers.modeling_outputs import CausalLMOutputWithPast
-from transformers.modeling_utils import slice_logits_to_keep
 from transformers.models.llama.modeling_llama import LlamaModel, LlamaPreTrainedModel
+
+try:
+    from transformers.modeling_utils import slice_logits_to_keep
+except ImportError:  # older transformers (5.17, on the GPU machines) lack the helper
+
+    def slice_logits_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+        """The positions of ``hidden_states`` [B, T, H] whose logits are wanted: the last ``logits_to_keep``
+        (0: all), or those a 1-D tensor of positions names (what transformers' own Llama did then)."""
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        return hidden_states[:, keep, :]
+
 
 from mtad.models.cpu_linear import replace_linears, stationary_linear
 
