@@ -86,6 +86,72 @@ def test_row_and_position_operations_match_the_eager_cache(tiny_pair) -> None:
     feed_both(eager, static, [[13]])
 
 
+def test_stale_slots_past_the_context_change_nothing(tiny_pair) -> None:
+    """Rolled-back slots hold old keys and values: filled with NaN, a forward that reads only the context
+    is unchanged; with CUDA graphs' fixed inputs (the whole capacity, masked), finite garbage is."""
+    ids = tiny_pair.encode("abc def gh abba cafe")
+    for graphs, junk in ((False, float("nan")), (True, 1e4)):
+        lm = StaticLM(tiny_pair.target, tiny_pair.vocab_size, compile=False, graphs=graphs)
+        lm.feed(torch.tensor([ids]))
+        lm.rollback(6)
+        with torch.inference_mode():  # the buffers are inference tensors
+            for buf in lm.cache.tensors():
+                buf[:, :, 6:] = junk
+        logits = lm.feed(torch.tensor([[ids[6]]]))[0, -1]
+        torch.testing.assert_close(logits, full_logits(tiny_pair.target, ids[:7]), rtol=1e-5, atol=1e-5)
+
+
+def test_fixed_input_forwards_match_the_eager_cache_across_generations(tiny_pair) -> None:
+    """The CUDA-graph path's bookkeeping, run with plain calls on a CPU: fixed inputs over the whole
+    capacity, one kept buffer set per row count, forwards keyed by shape. Random verifications and
+    rollbacks, beams fanning out and back, a tree path and a larger capacity all give the eager cache's
+    logits; a second generation reuses the first one's buffers and shapes."""
+    prompt = tiny_pair.encode("abc def gh")
+    for generation in range(2):
+        gen = torch.Generator().manual_seed(0)  # the same forwards both times
+        eager = CachedLM(tiny_pair.target, tiny_pair.vocab_size)
+        static = StaticLM(tiny_pair.target, tiny_pair.vocab_size, compile=False, graphs=True)
+        assert static.graphs is not None and static.length == 0
+        shapes = len(static.graphs.shapes)
+        feed_both(eager, static, [prompt])
+        for _ in range(12):
+            n = int(torch.randint(1, 5, (), generator=gen))
+            block = torch.randint(1, tiny_pair.vocab_size, (n,), generator=gen).tolist()
+            feed_both(eager, static, [block], keep=n)
+            back = eager.length - int(torch.randint(0, n, (), generator=gen))
+            for lm in (eager, static):
+                lm.rollback(back)
+            for lm in (eager, static):  # a beam step: fan out, reorder, back to one row
+                lm.cache.fan_out(3)
+            feed_both(eager, static, [[5], [6], [7]])
+            for lm in (eager, static):
+                lm.cache.reorder(torch.tensor([2, 0, 0]))
+                lm.cache.keep_row(1)
+            assert static.cache.rows == 1
+        keep = list(range(len(prompt))) + [eager.length - 2, eager.length - 1]
+        for lm in (eager, static):
+            lm.cache.keep_positions(keep)
+        feed_both(eager, static, [[13, 14]], keep=2)
+        if generation == 0:
+            first = static.graphs
+            assert len(first.shapes) <= 4 * 2 + 1  # (1..4 tokens) x (keep 1 or all) + one beam shape
+            del static, lm  # the generation ends: its buffers and shapes go back to the model
+        else:
+            assert static.graphs is first and len(static.graphs.shapes) == shapes  # reused, nothing new
+    lm = StaticLM(tiny_pair.target, tiny_pair.vocab_size, compile=False, graphs=True)
+    lm.cache.step = 64
+    ids = [(7 * i) % 50 + 1 for i in range(70)]
+    lm.feed(torch.tensor([ids[:60]]))
+    epoch = lm.cache.epoch
+    lm.feed(torch.tensor([ids[60:64]]), keep=1)
+    assert lm.graphs.shapes and lm.cache.capacity == 64
+    logits = lm.feed(torch.tensor([ids[64:69]]), keep=5)[0]  # outgrows the capacity: new buffers
+    assert lm.cache.capacity == 128 and lm.cache.epoch == epoch + 1
+    assert len(lm.graphs.shapes) == 1  # the shapes over the old buffers are void
+    for j in range(5):
+        torch.testing.assert_close(logits[j], full_logits(tiny_pair.target, ids[: 65 + j]), rtol=1e-4, atol=1e-4)
+
+
 def test_tree_verification_on_the_compiled_engine(tiny_pair) -> None:
     check_tree_forward(dataclasses.replace(tiny_pair, engine="compiled"))
 
@@ -120,6 +186,23 @@ def test_decoders_on_the_compiled_engine_give_the_eager_engine_s_text_and_never_
     assert torch._dynamo.utils.counters["frames"]["ok"] > 0  # the compiled path ran
     st = DecodeState.start(compiled, close_pair.encode("abc"), GREEDY[1])
     assert isinstance(st.target, StaticLM) and isinstance(st.draft, StaticLM)  # both models compiled
+
+
+def test_decoders_over_fixed_input_forwards_give_the_eager_engine_s_text(
+    monkeypatch: pytest.MonkeyPatch, close_pair
+) -> None:
+    """What a GPU runs from CUDA graphs, run with plain calls here: every decoder's forwards through the
+    fixed inputs (whole-capacity mask, kept buffers, the compiled layer) write the eager engine's text,
+    and a second prompt reuses the first one's shapes and buffers."""
+    monkeypatch.setattr("mtad.decoding.static_lm.graphs_enabled", lambda device: True)
+    compiled = dataclasses.replace(close_pair, engine="compiled")
+    for prompt in ("abc def", "abc def gh abc bad cafe fed"):
+        for settings in GREEDY[:6] + [dataclasses.replace(s, greedy=False, seed=3) for s in GREEDY[1:3]]:
+            got = generate(compiled, prompt, settings).new_ids
+            assert got == generate(close_pair, prompt, settings).new_ids, settings
+    st = DecodeState.start(compiled, close_pair.encode("abc"), GREEDY[2])
+    assert st.target.graphs is not None and st.draft.graphs is not None
+    assert st.target.graphs.shapes  # kept from the runs above
 
 
 def test_engine_choice_and_refusals(monkeypatch: pytest.MonkeyPatch, tiny_pair) -> None:

@@ -4,6 +4,7 @@ host read torch offers (``_local_scalar_dense``, behind ``.item()``, ``bool()``,
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections import Counter
 from contextlib import contextmanager
@@ -79,6 +80,23 @@ def test_one_host_read_per_iteration(monkeypatch: pytest.MonkeyPatch, embedded, 
     assert method in ("ar", "mtjd") or accepted > 0  # the paths after an acceptance ran too
 
 
+@pytest.mark.parametrize("method", ["ar", "sd", "mtad"])
+def test_one_host_read_per_iteration_over_fixed_input_forwards(
+    monkeypatch: pytest.MonkeyPatch, embedded, method: str
+) -> None:
+    """The compiled engine as it runs on a GPU (CUDA graphs' fixed inputs, filled on the device), with plain
+    calls here: still one host read an iteration."""
+    monkeypatch.setattr("mtad.decoding.static_lm.graphs_enabled", lambda device: True)
+    pair = dataclasses.replace(embedded, engine="compiled")
+    settings = Settings(method=method, max_new_tokens=60, gamma=3, beams=3, tau=0.1, seed=1)
+    st = DecodeState.start(pair, pair.encode("def add(a, b):\n    "), settings)
+    assert st.target.graphs is not None
+    for _ in range(4):
+        with host_reads(monkeypatch) as counts:
+            DECODERS[method].step(st)
+        assert counts == Counter(tolist=1), counts
+
+
 @pytest.mark.parametrize("greedy", [True, False])
 def test_mtad_tree_reads_the_host_twice_per_iteration(monkeypatch: pytest.MonkeyPatch, embedded, greedy: bool) -> None:
     """MTAD over all beams reads the beams' token ids once to lay out the token tree (its shared
@@ -93,10 +111,12 @@ def test_mtad_tree_reads_the_host_twice_per_iteration(monkeypatch: pytest.Monkey
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: set_sync_debug_mode counts real syncs")
 @pytest.mark.parametrize("method", ["ar", "sd", "mtad", "mtjd"])
-def test_one_cuda_sync_per_iteration(method: str) -> None:
-    pair = load_pair("embedded", device="cuda")
+@pytest.mark.parametrize("engine", ["eager", "compiled"])
+def test_one_cuda_sync_per_iteration(method: str, engine: str) -> None:
+    """On the compiled engine the forwards replay CUDA graphs, captured in the warm-up run."""
+    pair = load_pair("embedded", device="cuda", engine=engine)
     settings = Settings(method=method, max_new_tokens=40, gamma=3, beams=3, tau=0.1, seed=0)
-    list(decode(pair, pair.encode("def add(a, b):\n    "), settings))  # warm-up
+    list(decode(pair, pair.encode("def add(a, b):\n    "), settings))  # warm-up: the same shapes, captured
     torch.cuda.set_sync_debug_mode("warn")
     try:
         with warnings.catch_warnings(record=True) as caught:

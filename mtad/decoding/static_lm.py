@@ -8,23 +8,29 @@ token, a verification of γ + 1 tokens or a token tree, beams); a prompt's prefi
 uncompiled. The attended length is dynamic (marked so before the first compile), so a growing context
 never recompiles, and so is the row count from two rows on (any beam width is one graph); each new
 (one row or several, tokens) shape compiles once per process. Rolling back is moving the length: slots
-past it are masked and overwritten.
+past it are masked and overwritten. On CUDA those repeated forwards replay CUDA graphs
+(:mod:`mtad.decoding.graphs`) over buffers kept on the model between generations.
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any
 
 import torch
 import torch._dynamo
 
+from mtad.decoding.graphs import ForwardGraphs, graphs_enabled, to_device
 from mtad.models.pair import ModelPair
 from mtad.models.static_llama import FEW_QUERIES, int8_layer_weights, layer_weights, llama_forward, supports
 
 COMPILED_TOKENS = FEW_QUERIES
 COMPILED_ROWS = 16
 CAPACITY_STEP = 256
+GRAPH_CAPACITY_STEP = 2048
+"""With CUDA graphs a forward attends over the whole capacity, and a larger one is captured anew: steps of
+this many positions (a few MB of keys and values for a small model) make that rare."""
 
 
 class StaticKV:
@@ -32,16 +38,25 @@ class StaticKV:
 
     ``length`` is a host integer (decoding always knows it): cropping moves it, and a forward writes its
     tokens at slots ``length …``. Row operations copy inside the buffers, never reallocate, unless the
-    row count changes."""
+    row count changes.
 
-    def __init__(self, config: Any, dtype: torch.dtype, device: torch.device) -> None:
+    ``pooled`` (what CUDA graphs need, since a graph reads the buffers it was captured over): one set of
+    buffers per row count is kept and reused, so beams fanning out and back to one row every iteration
+    move between the same tensors; only a larger capacity makes new ones, and bumps :attr:`epoch`."""
+
+    def __init__(
+        self, config: Any, dtype: torch.dtype, device: torch.device, step: int = CAPACITY_STEP, pooled: bool = False
+    ) -> None:
         self.layers = config.num_hidden_layers
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.dtype, self.device = dtype, device
+        self.step = step
         self.length = 0
+        self.epoch = 0
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
+        self._sets: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] | None = {} if pooled else None
 
     @property
     def rows(self) -> int:
@@ -55,17 +70,25 @@ class StaticKV:
     @torch.inference_mode()  # the buffers are inference tensors, changed in place
     def reserve(self, rows: int, length: int) -> None:
         """Make room for ``length`` positions in ``rows`` rows, keeping what is held (capacity grows in
-        steps of :data:`CAPACITY_STEP`, so buffers are rarely remade)."""
+        steps of :attr:`step`, so buffers are rarely remade)."""
         if self.keys and rows == self.rows and length <= self.capacity:
             return
         old, n = self.keys + self.values, self.length
-        self._allocate(rows, max(self.capacity, -(-length // CAPACITY_STEP) * CAPACITY_STEP))
+        self._allocate(rows, max(self.capacity, -(-length // self.step) * self.step))
         if old and n:
             for buf, src in zip(self.keys + self.values, old, strict=True):
                 buf[:, :, :n] = src[:, :, :n] if src.shape[0] == rows else src[:1, :, :n].expand(rows, -1, -1, -1)
 
     def _allocate(self, rows: int, capacity: int) -> None:
-        """Fresh zeroed buffers of ``rows`` rows and ``capacity`` positions (their content is the caller's)."""
+        """Buffers of ``rows`` rows and ``capacity`` positions, fresh and zeroed or (pooled) the kept set of
+        that many rows; their content is the caller's."""
+        if self._sets is not None:
+            if capacity != self.capacity:
+                self._sets.clear()
+                self.epoch += 1
+            if rows in self._sets:
+                self.keys, self.values = self._sets[rows]
+                return
         shape = (rows, self.kv_heads, capacity, self.head_dim)
         self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
         self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
@@ -73,6 +96,8 @@ class StaticKV:
             torch._dynamo.mark_dynamic(buf, 2)  # a larger capacity is the same compiled graph
             if rows > 1:
                 torch._dynamo.mark_dynamic(buf, 0)  # so is another count of beams or drafts
+        if self._sets is not None:
+            self._sets[rows] = (self.keys, self.values)
 
     def crop(self, length: int) -> None:
         """Forget every position from ``length`` on."""
@@ -121,14 +146,21 @@ class StaticKV:
 class StaticLM:
     """:class:`~mtad.decoding.state.CachedLM` on the compiled engine: same calls, a static cache."""
 
-    def __init__(self, model: torch.nn.Module, vocab: int, compile: bool = True) -> None:
+    def __init__(self, model: torch.nn.Module, vocab: int, compile: bool = True, graphs: bool | None = None) -> None:
+        """``graphs``: replay the repeated forwards from CUDA graphs (None: on CUDA unless the operator turned
+        them off, :func:`~mtad.decoding.graphs.graphs_enabled`); True on a CPU runs the same fixed-input
+        path with plain calls."""
         why = supports(model)
         if why:
             raise ValueError(f"the compiled engine cannot run this model: {why}")
         self.model = model
         self.vocab = vocab
         param = next(model.parameters())
-        self.cache = StaticKV(model.config, param.dtype, param.device)
+        self.graphs: ForwardGraphs | None = None
+        if graphs if graphs is not None else graphs_enabled(param.device):
+            self.cache, self.graphs = _check_out(self, model, param)
+        else:
+            self.cache = StaticKV(model.config, param.dtype, param.device)
         # a shortlist draft computes logits for some tokens only (the rest are -inf), as in CachedLM.feed
         self.columns: torch.Tensor | None = getattr(model, "columns", None)
         self.compile = compile  # False: the same forward, uncompiled (what a prefill runs)
@@ -153,9 +185,7 @@ class StaticLM:
     def feed(self, tokens: torch.Tensor, keep: int = 1, columns: bool = False) -> torch.Tensor:
         """Run ``tokens`` [B, n] after the cached context; fp32 logits of the last ``keep`` positions
         (``columns``: over :attr:`columns` only when the model has a shortlist, as ``CachedLM.feed``)."""
-        past, n = self.cache.length, tokens.shape[1]
-        allow = torch.ones(n, past + n, dtype=torch.bool).tril(diagonal=past)
-        return self._run(tokens, torch.arange(past, past + n), allow, keep, columns)
+        return self._run(tokens, None, None, keep, columns)
 
     @torch.inference_mode()
     def feed_masked(self, tokens: torch.Tensor, positions: list[int], allow: torch.Tensor) -> torch.Tensor:
@@ -164,23 +194,55 @@ class StaticLM:
         return self._run(tokens, torch.tensor(positions), allow, tokens.shape[1])
 
     def _run(
-        self, tokens: torch.Tensor, positions: torch.Tensor, allow: torch.Tensor, keep: int, columns: bool = False
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None,
+        allow: torch.Tensor | None,
+        keep: int,
+        columns: bool = False,
     ) -> torch.Tensor:
+        """One forward; ``positions`` and ``allow`` None: the next positions, causal attention."""
         rows, n = tokens.shape
         past = self.cache.length
         self.cache.reserve(rows, past + n)  # from one row to several, this fans the context out
-        dev = self.cache.device
-        slots = torch.arange(past, past + n, device=dev)
-        mask = allow.to(dev)
-        compiled = self.compile and past > 0 and n <= COMPILED_TOKENS and rows <= COMPILED_ROWS
+        repeated = past > 0 and n <= COMPILED_TOKENS and rows <= COMPILED_ROWS
+        compiled = self.compile and repeated
         layers = self.one_token if self.one_token is not None and rows * n == 1 else self.layers
-        args = (tokens, positions.to(dev), slots, mask, self.cache.keys, self.cache.values, keep, layers)
-        logits = llama_forward(self.model, *args, compiled=compiled)
+        cache = self.cache
+
+        def forward(ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            args = (ids, pos, slots, mask, cache.keys, cache.values, keep, layers)
+            return llama_forward(self.model, *args, compiled=compiled)
+
+        if self.graphs is not None and repeated:
+            key = (rows, n, keep, layers is self.one_token, cache.keys[0].data_ptr())
+            logits = self.graphs.run(key, tokens, past, cache.capacity, cache.epoch, forward, positions, allow)
+        else:
+            dev = cache.device
+            if allow is None:
+                allow = torch.ones(n, past + n, dtype=torch.bool).tril(diagonal=past)
+            pos = torch.arange(past, past + n, device=dev) if positions is None else to_device(positions, dev)
+            logits = forward(tokens, pos, torch.arange(past, past + n, device=dev), to_device(allow, dev))
         self.cache.length = past + n
         if self.columns is None or columns:
             return logits[..., : self.vocab].float()
         full = logits.new_full((*logits.shape[:-1], self.vocab), float("-inf"), dtype=torch.float32)
         return full.index_copy_(-1, self.columns, logits.float())
+
+
+def _check_out(lm: StaticLM, model: torch.nn.Module, param: torch.Tensor) -> tuple[StaticKV, ForwardGraphs]:
+    """Pooled buffers and their captured graphs for ``lm``, kept on the model between generations (a
+    generation's graphs serve the next one) and handed back when ``lm`` is gone; two generations at once
+    (the page's two lanes) each hold their own."""
+    free: list[tuple[StaticKV, ForwardGraphs]] = model.__dict__.setdefault("_mtad_graph_slabs", [])
+    try:
+        cache, graphs = free.pop()
+    except IndexError:
+        cache = StaticKV(model.config, param.dtype, param.device, step=GRAPH_CAPACITY_STEP, pooled=True)
+        graphs = ForwardGraphs(capture=param.device.type == "cuda")
+    cache.length = 0
+    weakref.finalize(lm, free.append, (cache, graphs))
+    return cache, graphs
 
 
 def warm_up(model: torch.nn.Module, vocab: int, tokens: int, rows: int = 1) -> float:
