@@ -107,17 +107,25 @@ def doc_texts() -> list[str]:
     return [f.read_text(errors="replace") for f in files]
 
 
-def load_target(dtype: torch.dtype = torch.bfloat16) -> tuple[Any, Any]:
-    """The target and its tokenizer, through the same code the ``smollm2`` pair uses."""
+def load_target(dtype: torch.dtype = torch.bfloat16, path: str | Path | None = None) -> tuple[Any, Any]:
+    """The target and its tokenizer, through the same code the ``smollm2`` pair uses: the preset's GGUF
+    file, or ``path`` (another copy of that GGUF file, or a transformers directory)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from mtad.models.gguf_cache import materialize
     from mtad.models.presets import DEFAULT_PRESETS, presets
 
-    preset = presets(DEFAULT_PRESETS)["smollm2"]
-    if not preset.target.endswith(".gguf"):
-        sys.exit(f"the draft is distilled from the GGUF target; install it with: {preset.install}")
-    path = Path(preset.target)
+    if path is None:
+        preset = presets(DEFAULT_PRESETS)["smollm2"]
+        if not preset.target.endswith(".gguf"):
+            sys.exit(f"the draft is distilled from the GGUF target; install it with: {preset.install}")
+        path = preset.target
+    path = Path(path)
+    if path.is_dir():
+        tok = AutoTokenizer.from_pretrained(path)
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval(), tok
+    if not path.is_file():
+        sys.exit(f"no target at {path}: a GGUF file or a transformers directory")
     src = materialize(path)  # the dequantised copy in the user's cache, written on first use
     kwargs = {} if src else {"gguf_file": path.name}
     tok = AutoTokenizer.from_pretrained(src or path.parent, **kwargs)
@@ -176,27 +184,42 @@ def next_window(tok: Any, docs: list[str], state: dict, ids: Any, n: int = 512) 
 
 
 def batched_replies(
-    model: Any, tok: Any, prompts: list[str], seed: int, max_new: int, step: Callable, **forward: Any
+    model: Any,
+    tok: Any,
+    prompts: list[str],
+    seed: int,
+    max_new: int,
+    step: Callable,
+    until: float | None = None,
+    **forward: Any,
 ) -> tuple[list[torch.Tensor], list[list[int]], list[list[Any]]]:
     """Replies to ``prompts`` (one user turn each) in one batched KV-cached loop that drops a row when it
     ends; ``step(logits, generator) -> (tokens, per_row)`` draws the next token of every live row from its
     last logits (``per_row``: something to keep per row and position, or None). ``forward`` goes to every
-    model call. Returns each prompt's ids, each reply's ids and what was kept per reply position."""
+    model call. Returns each prompt's ids (on the CPU), each reply's ids and what was kept per reply position.
+
+    The prompts are left-padded (positions count from each row's first real token) and run on the
+    model's device, drawing from a generator there; past ``until`` (a ``time.time()``) no further token
+    is drawn, so the replies stop where they are, as at ``max_new``."""
     from transformers import DynamicCache
 
+    from mtad.models.devices import first_device
     from mtad.sampling import make_generator
 
+    device = first_device(model)
     texts = [
         tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
         for p in prompts
     ]
     tok.padding_side = "left"
     enc = tok(texts, return_tensors="pt", padding=True)
+    prompt_ids = [enc["input_ids"][b][enc["attention_mask"][b].bool()] for b in range(len(prompts))]
+    enc = enc.to(device)
     mask = enc["attention_mask"]
     position = (mask.cumsum(-1) - 1).clamp_min(0)
     cache = DynamicCache(config=model.config)
     out = model(**enc, position_ids=position, past_key_values=cache, use_cache=True, logits_to_keep=1, **forward)
-    generator = make_generator("cpu", seed)
+    generator = make_generator(device, seed)
     live, position = torch.arange(len(prompts)), position[:, -1:]
     replies: list[list[int]] = [[] for _ in prompts]
     kept: list[list[Any]] = [[] for _ in prompts]
@@ -209,18 +232,18 @@ def batched_replies(
                 kept[b].append(per_row[row])
             if t != tok.eos_token_id:
                 going.append(row)
-        if not going or i == max_new - 1:
+        if not going or i == max_new - 1 or (until is not None and time.time() >= until):
             break
         if len(going) < len(live):
             keep = torch.tensor(going)
+            live, keep = live[keep], keep.to(device)
             cache.batch_select_indices(keep)
-            live, mask, position, token = live[keep], mask[keep], position[keep], token[keep]
+            mask, position, token = mask[keep], position[keep], token[keep]
         mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1)
         position = position + 1
         out = model(
             input_ids=token[:, None], attention_mask=mask, position_ids=position, past_key_values=cache, **forward
         )
-    prompt_ids = [enc["input_ids"][b][enc["attention_mask"][b].bool()] for b in range(len(prompts))]
     return prompt_ids, replies, kept
 
 
