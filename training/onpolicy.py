@@ -654,63 +654,68 @@ def train(args: argparse.Namespace) -> None:
     def summary() -> dict:
         return run | {"minutes": clock.minutes(), "train_seconds": time.time() - t0, "seconds_by_phase": took}
 
-    while spent + time.time() - t0 < budget and time.time() < clock.stop_at:
-        # 1. the current draft (or, in a share of rounds, the target) writes replies; 2. the target labels them
-        t = t_round = time.time()
-        batch = [prompts[(rnd * args.gen_batch + i) % len(prompts)] for i in range(args.gen_batch)]
-        by_target = rng.random() < args.teacher_share
-        writer, model = (target_replies, target) if by_target else (sample_replies, draft)
-        fresh = writer(model, tok, batch, SEED + 1000 + rnd, args.max_new, until=clock.stop_at)
-        took["generate"] += time.time() - t
-        if time.time() >= clock.stop_at:
-            break
-        t = time.time()
-        label_samples(target, fresh, args.chunk)
-        took["label"] += time.time() - t
-        rnd += 1
-        run["rounds"] += 1
-        run["replies"] += len(fresh)
-        run["reply_tokens"] += sum(len(s["idx"]) for s in fresh)
-        buffer = (buffer + fresh)[-args.buffer :]
-        # 3. a few steps on the recent rounds
-        t, made = time.time(), 0
-        for _ in range(args.steps_per_round):
+    try:
+        while spent + time.time() - t0 < budget and time.time() < clock.stop_at:
+            # 1. the current draft (or, in a share of rounds, the target) writes replies; 2. the target labels them
+            t = t_round = time.time()
+            batch = [prompts[(rnd * args.gen_batch + i) % len(prompts)] for i in range(args.gen_batch)]
+            by_target = rng.random() < args.teacher_share
+            writer, model = (target_replies, target) if by_target else (sample_replies, draft)
+            fresh = writer(model, tok, batch, SEED + 1000 + rnd, args.max_new, until=clock.stop_at)
+            took["generate"] += time.time() - t
             if time.time() >= clock.stop_at:
                 break
-            progress = (spent + time.time() - t0) / budget
-            warm = min(1.0, (step + 1 - args.moment_warmup) / args.warmup) if step >= args.moment_warmup else 0.0
-            lr = args.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1))))
-            for g in opt.param_groups:
-                g["lr"] = lr
-            with autocast:
-                terms = batch_terms(draft, rng.sample(buffer, min(args.batch, len(buffer))))
-                loss = loss_of(terms, args.kl_weight, args.tv_weight)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            step += 1
-            run["steps"] += 1
-            run["tokens_seen"] += terms["accept"].numel()
-            made += 1
-            evaluated = False
-        if not made:  # out of time
-            break
-        print(
-            f"[onpolicy] round {rnd} ({'target' if by_target else 'draft'}, {len(fresh)} replies) step {step} "
-            f"loss {loss.item():.3f} accept {terms['accept'].mean().item():.3f} "
-            f"agree {terms['agree'].mean().item():.3f} kl {terms['kl'].mean().item():.3f} lr {lr:.2e} "
-            f"[{clock.minutes():.2f} min; round {time.time() - t_round:.2f} s, of it {time.time() - t:.2f} s training]",
-            flush=True,
-        )
-        took["train"] += time.time() - t
-        if rnd % args.eval_every == 0 and clock.fits("eval", clock.stop_at):
-            consider()
-        if time.time() - t_save > 180 and clock.fits("checkpoint", clock.stop_at):
             t = time.time()
-            checkpoint(work, draft, tok, opt, step, rnd, spent + time.time() - t0, log, shape)
-            clock.time("checkpoint", time.time() - t)
-            t_save = time.time()
+            label_samples(target, fresh, args.chunk)
+            took["label"] += time.time() - t
+            rnd += 1
+            run["rounds"] += 1
+            run["replies"] += len(fresh)
+            run["reply_tokens"] += sum(len(s["idx"]) for s in fresh)
+            buffer = (buffer + fresh)[-args.buffer :]
+            # 3. a few steps on the recent rounds
+            t, made = time.time(), 0
+            for _ in range(args.steps_per_round):
+                if time.time() >= clock.stop_at:
+                    break
+                progress = (spent + time.time() - t0) / budget
+                warm = min(1.0, (step + 1 - args.moment_warmup) / args.warmup) if step >= args.moment_warmup else 0.0
+                lr = args.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1))))
+                for g in opt.param_groups:
+                    g["lr"] = lr
+                with autocast:
+                    terms = batch_terms(draft, rng.sample(buffer, min(args.batch, len(buffer))))
+                    loss = loss_of(terms, args.kl_weight, args.tv_weight)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                opt.step()
+                step += 1
+                run["steps"] += 1
+                run["tokens_seen"] += terms["accept"].numel()
+                made += 1
+                evaluated = False
+            if not made:  # out of time
+                break
+            print(
+                f"[onpolicy] round {rnd} ({'target' if by_target else 'draft'}, {len(fresh)} replies) step {step} "
+                f"loss {loss.item():.3f} accept {terms['accept'].mean().item():.3f} "
+                f"agree {terms['agree'].mean().item():.3f} kl {terms['kl'].mean().item():.3f} lr {lr:.2e} "
+                f"[{clock.minutes():.2f} min; round {time.time() - t_round:.2f} s, of it {time.time() - t:.2f} s training]",
+                flush=True,
+            )
+            took["train"] += time.time() - t
+            if rnd % args.eval_every == 0 and clock.fits("eval", clock.stop_at):
+                consider()
+            if time.time() - t_save > 180 and clock.fits("checkpoint", clock.stop_at):
+                t = time.time()
+                checkpoint(work, draft, tok, opt, step, rnd, spent + time.time() - t0, log, shape)
+                clock.time("checkpoint", time.time() - t)
+                t_save = time.time()
+    except Exception as exc:  # what the run got to, and why it stopped, for whoever fetches --out
+        figures |= summary() | {"error": f"{type(exc).__name__}: {exc}"}
+        write_json(out / "figures.json", figures)
+        raise
     if not evaluated and clock.fits("eval"):
         consider()
     figures |= summary()
