@@ -173,6 +173,28 @@ def test_the_targets_replies_are_the_chat_trainers_draws(tiny_chat, monkeypatch)
     assert [s["ids"].tolist() for s in cut] == [s["ids"][: s["start"] + 2].tolist() for s in got]
 
 
+def test_a_left_padded_batch_writes_each_reply_as_a_batch_of_one_would(tiny_chat) -> None:
+    """Hundreds of replies a round run as one left-padded batch: greedily, every row's reply (prompts
+    of different lengths, rows ending at different steps) is what that prompt alone gets."""
+    from training.chat_draft import batched_replies
+
+    tok, target, path = tiny_chat
+    draft = onpolicy.load_draft(path).eval()
+
+    def greedy(logits: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, None]:
+        token = draft.columns[logits.argmax(-1)]
+        return token.masked_fill(token == 4, tok.eos_token_id), None  # so that some rows end early
+
+    prompts = ["a", "cab ba cab ba cab", "bb", "c a b c a", "abcabc abc", "b"]
+    for model, kwargs, step in ((draft, {"shortlist_only": True}, greedy), (target, {}, None)):
+        step = step or (lambda logits, generator: (logits.argmax(-1), None))
+        with torch.inference_mode():
+            _, together, _ = batched_replies(model, tok, prompts, 0, 12, step, **kwargs)
+            alone = [batched_replies(model, tok, [p], 0, 12, step, **kwargs)[1][0] for p in prompts]
+        assert together == alone
+        assert len({len(r) for r in together}) > 1  # rows ended at different steps
+
+
 def test_labels_gathered_as_on_a_gpu_equal_the_cpu_labels(tiny_chat) -> None:
     """The GPU's labelling (samples sorted by length, the head on reply positions only) gives the labels
     of the CPU's (the head on every position of a chunk of 2)."""
