@@ -195,6 +195,23 @@ def test_a_left_padded_batch_writes_each_reply_as_a_batch_of_one_would(tiny_chat
         assert len({len(r) for r in together}) > 1  # rows ended at different steps
 
 
+def test_the_tokenizer_comes_from_the_draft_when_asked(tiny_chat, tmp_path, capsys) -> None:
+    """transformers 5.17 reads the GGUF target's tokenizer with a wrong end token and no padding token:
+    the trainer takes the committed draft's copy of the target's tokenizer instead."""
+    import copy
+
+    tok, target, path = tiny_chat
+    broken = copy.deepcopy(tok)
+    broken.pad_token = None
+    target.save_pretrained(tmp_path / "target")
+    broken.save_pretrained(tmp_path / "target")
+    _, got = onpolicy.load_target(tmp_path / "target", tokenizer=path)
+    assert got.pad_token == tok.pad_token and got.eos_token_id == tok.eos_token_id
+    assert "pads with None" in capsys.readouterr().out
+    _, own = onpolicy.load_target(tmp_path / "target")
+    assert own.pad_token is None
+
+
 def test_labels_gathered_as_on_a_gpu_equal_the_cpu_labels(tiny_chat) -> None:
     """The GPU's labelling (samples sorted by length, the head on reply positions only) gives the labels
     of the CPU's (the head on every position of a chunk of 2)."""

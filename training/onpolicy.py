@@ -451,18 +451,36 @@ def process_start() -> float:
     return started if 0 <= IMPORTED - started < 600 else IMPORTED
 
 
-def load_target(path: str | Path | None = None, device: torch.device = CPU) -> tuple[Any, Any]:
+def load_target(
+    path: str | Path | None = None, device: torch.device = CPU, tokenizer: str | Path | None = None
+) -> tuple[Any, Any]:
     """The smollm2 target (the preset's GGUF file, or ``path``) and its tokenizer: on the CPU as the pair
-    runs it there (its best dtype and kernels), on a GPU in bf16 (SDPA kept off cuDNN, as the pair does)."""
+    runs it there (its best dtype and kernels), on a GPU in bf16 (SDPA kept off cuDNN, as the pair does).
+
+    ``tokenizer``: a directory to take the tokenizer from instead, such as the committed draft's (the
+    target's own, saved beside it): transformers 5.17 reads the GGUF file's tokenizer with
+    ``<|im_start|>`` as its end token and no padding token, which 5.23 reads as ``<|im_end|>`` for both."""
+    from transformers import AutoTokenizer
+
     from mtad.models.devices import auto_dtype, use_cpu_kernels, use_cuda_kernels
     from training.chat_draft import load_target as load
 
     if device.type == "cuda":
         target, tok = load(torch.bfloat16, path)
         use_cuda_kernels()
-        return target.to(device), tok
-    target, tok = load(auto_dtype(device), path)
-    return use_cpu_kernels(target), tok
+        target = target.to(device)
+    else:
+        target, tok = load(auto_dtype(device), path)
+        target = use_cpu_kernels(target)
+    if tokenizer is not None:
+        own, tok = tok, AutoTokenizer.from_pretrained(tokenizer)
+        if (own.eos_token, own.pad_token) != (tok.eos_token, tok.pad_token):
+            print(
+                f"[onpolicy] the target's tokenizer ends with {own.eos_token!r} and pads with {own.pad_token!r}; "
+                f"using {tokenizer}'s: {tok.eos_token!r}, {tok.pad_token!r}",
+                flush=True,
+            )
+    return target, tok
 
 
 def heldout_set(args: argparse.Namespace, target: Any, tok: Any, device: torch.device) -> list[dict]:
@@ -541,7 +559,7 @@ def train(args: argparse.Namespace) -> None:
     state_path = work / "state.pt"
     saved = torch.load(state_path, map_location=device, weights_only=False) if state_path.exists() else None
     t_load = time.time()
-    target, tok = load_target(args.target, device)
+    target, tok = load_target(args.target, device, tokenizer=args.draft)
     print(f"[onpolicy] target on {device} ({target.dtype}) in {time.time() - t_load:.1f} s", flush=True)
 
     t_held = time.time()
