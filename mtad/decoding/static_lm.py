@@ -215,7 +215,7 @@ class StaticLM:
             return llama_forward(self.model, *args, compiled=compiled)
 
         if self.graphs is not None and repeated:
-            key = (rows, n, keep, layers is self.one_token, cache.keys[0].data_ptr())
+            key = (rows, n, keep, layers is self.one_token, compiled, cache.keys[0].data_ptr())
             logits = self.graphs.run(key, tokens, past, cache.capacity, cache.epoch, forward, positions, allow)
         else:
             dev = cache.device
