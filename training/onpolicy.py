@@ -680,7 +680,8 @@ def train(args: argparse.Namespace) -> None:
             print(f"[onpolicy] new best {best:.4f} -> {out}", flush=True)
 
     def summary() -> dict:
-        return run | {"minutes": clock.minutes(), "train_seconds": time.time() - t0, "seconds_by_phase": took}
+        times = {"minutes": clock.minutes(), "train_seconds": time.time() - t0, "seconds_by_phase": took}
+        return run | {"steps_in_all": step} | times
 
     try:
         while spent + time.time() - t0 < budget and time.time() < clock.stop_at:
@@ -755,7 +756,15 @@ def train(args: argparse.Namespace) -> None:
     figures |= summary()
     write_json(out / "figures.json", figures)
     print(f"[onpolicy] figures -> {out / 'figures.json'}\n{json.dumps(figures, indent=1)}", flush=True)
-    print(f"[onpolicy] done in {clock.minutes():.2f} min", flush=True)
+    first, last = figures["start"], figures["best"]
+    print(
+        f"[onpolicy] held-out acceptance {first['accept']:.4f} -> {last['accept']:.4f} (step {last['step']}), "
+        f"top-1 agreement {first['agree']:.4f} -> {last['agree']:.4f}, over {first['positions']:,} positions; "
+        f"{run['steps']} steps, {run['tokens_seen']:,} positions trained on, {run['replies']:,} replies; "
+        f"{'improved' if figures['improved'] else 'not better than the committed draft'}; "
+        f"done in {clock.minutes():.2f} min",
+        flush=True,
+    )
 
 
 def checkpoint(
