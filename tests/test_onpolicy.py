@@ -306,6 +306,7 @@ def test_the_train_stage_ends_before_its_deadline_with_the_best_draft_and_its_fi
     command = [sys.executable, "-m", "training.onpolicy", "--stage", "train", "--work", str(work)]
     command += ["--out", str(out), "--target", str(target_dir), "--draft", str(path), "--minutes", str(minutes)]
     command += ["--gen-batch", "4", "--batch", "4", "--steps-per-round", "2", "--max-new", "8", "--heldout", "6"]
+    command += ["--confirm", "2"]
     command += ["--eval-every", "2", "--lr", "1e-3"]
     root = Path(__file__).resolve().parents[1]
     t = time.time()
@@ -324,9 +325,22 @@ def test_the_train_stage_ends_before_its_deadline_with_the_best_draft_and_its_fi
     assert figures["start"]["positions"] > 0 and {"accept", "agree"} <= figures["best"].keys()
     heldout = torch.load(work / "heldout.pt", weights_only=False)
     assert len(heldout) == 6
-    start = onpolicy.evaluate(onpolicy.load_draft(path), heldout)
+    start = onpolicy.evaluate(onpolicy.load_draft(path), heldout[:4])  # the last 2 only confirm
     assert figures["start"]["accept"] == pytest.approx(start["accept"], abs=1e-6)
     assert figures["best"]["accept"] >= figures["start"]["accept"]
+    confirmed = onpolicy.evaluate(onpolicy.load_draft(out), heldout[4:])
+    assert figures["confirm"]["best"]["accept"] == pytest.approx(confirmed["accept"], abs=1e-6)
+    assert figures["confirm"]["committed"] == pytest.approx(onpolicy.evaluate(onpolicy.load_draft(path), heldout[4:]))
+    assert figures["improved"] == onpolicy.improved(figures)
     best = AutoModelForCausalLM.from_pretrained(out)
     assert type(best) is ShortlistForCausalLM and best.config.int8_layers
     assert (work / "state.pt").exists()  # resumable
+
+
+def test_a_best_is_an_improvement_only_where_the_confirming_replies_agree() -> None:
+    figures = {"best": {"accept": 0.46}, "committed": {"accept": 0.45}}
+    assert onpolicy.improved(figures)
+    assert not onpolicy.improved(figures | {"best": {"accept": 0.45}})
+    confirm = {"committed": {"accept": 0.44}, "best": {"accept": 0.445}}
+    assert onpolicy.improved(figures | {"confirm": confirm})
+    assert not onpolicy.improved(figures | {"confirm": confirm | {"best": {"accept": 0.439}}})
