@@ -622,7 +622,7 @@ def train(args: argparse.Namespace) -> None:
 
     # --out holds the best draft so far: the starting one until a round beats it
     figures: dict[str, Any] = {
-        "device": str(device),
+        "device": str(device) + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""),
         "start": start,
         "committed": committed,
         "best": start | {"step": step, "round": rnd},
