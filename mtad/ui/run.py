@@ -125,10 +125,9 @@ def _run(session: str, form: RunForm) -> Iterator[tuple]:
 
 
 def compiled_engine() -> bool:
-    """True when pairs load on the compiled engine here: ``MTAD_ENGINE=compiled``, or ``auto`` (the default)
-    on a server without a GPU (``mtad.models.static_llama.choose_engine``: a Llama target is compiled there)."""
-    engine = resolve_engine(None)
-    return engine == "compiled" or (engine == "auto" and not torch.cuda.is_available())
+    """True when pairs load on the compiled engine here: ``MTAD_ENGINE=compiled``, or ``auto`` (the default;
+    ``mtad.models.static_llama.choose_engine``: a Llama target is compiled on a CPU and on a GPU alike)."""
+    return resolve_engine(None) in ("auto", "compiled")
 
 
 def _generate(session: str, form: RunForm) -> Iterator[tuple]:
