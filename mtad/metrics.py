@@ -175,6 +175,12 @@ class Pooled:
         return json_safe(asdict(self))
 
 
+def perplexity_of(nll: float, tokens: int) -> float:
+    """Perplexity of ``tokens`` new tokens whose negative log-likelihoods add up to ``nll``: exp(nll / tokens)
+    (the paper's eq. 1 over all of them); NaN without tokens."""
+    return math.exp(nll / tokens) if tokens else float("nan")
+
+
 def pool(runs: Sequence[Metrics]) -> Pooled:
     """Pooled figures of several runs: perplexity = exp(total NLL / total new tokens) (paper eq. 1 over
     all tokens), speed = total tokens / total seconds, J/token = total joules / total tokens of the
@@ -189,7 +195,7 @@ def pool(runs: Sequence[Metrics]) -> Pooled:
     return Pooled(
         runs=len(runs),
         new_tokens=tokens,
-        perplexity=math.exp(nll / tokens) if tokens else float("nan"),
+        perplexity=perplexity_of(nll, tokens),
         tokens_per_second=tokens / seconds if seconds > 0 else None,
         block_efficiency=tokens / calls if calls else None,
         acceptance=sum(m.accepted for m in runs) / drafted if drafted else None,

@@ -1033,3 +1033,31 @@ def test_a_row_pools_its_runs_acceptance_curve_and_the_table_prints_it():
     lines = render_table(list(rows.values())).splitlines()
     i = lines.index("acceptance by draft position (token i kept, given tokens 1..i-1 were):")
     assert lines[i + 1] == "  sd  0.50  0.67  0.00" and len(lines) == i + 2
+
+
+def test_perplexity_against_sd_has_an_interval_from_resampling_prompts():
+    """Each row's pooled perplexity minus SD's over the common prompts, with a 95 % interval from resampling
+    the prompts: it excludes 0 when every prompt agrees on the sign, and spans 0 when one prompt outweighs
+    the rest the other way; a prompt a row did not finish is left out; the table prints it."""
+    from mtad.bench.aggregate import aggregate
+    from mtad.bench.report import render_table
+
+    def rows_of(mtad_nll: list[float]) -> dict:
+        records = [_record("sd", i, 2.0, 2) for i in range(6)]
+        records += [{**_record("mtad", i, nll, 2), "case": "mtad W=8"} for i, nll in enumerate(mtad_nll)]
+        return {r["case"]: r for r in aggregate(records)}
+
+    rows = rows_of([1.0, 1.2, 0.8, 1.0, 1.1, 0.9])  # every prompt below SD's
+    gap = rows["mtad W=8"]["perplexity_vs_sd"]
+    assert gap["reference"] == "sd" and gap["prompts"] == 6
+    assert gap["difference"] == pytest.approx(math.exp(6.0 / 12) - math.exp(12.0 / 12))
+    assert gap["low"] <= gap["difference"] <= gap["high"] < 0
+    assert rows["sd"]["perplexity_vs_sd"] is None
+    mixed = rows_of([0.5, 0.5, 0.5, 0.5, 0.5, 12.0])["mtad W=8"]["perplexity_vs_sd"]
+    assert mixed["difference"] > 0 and mixed["low"] < 0 < mixed["high"]
+    assert rows_of([1.0] * 5)["mtad W=8"]["perplexity_vs_sd"]["prompts"] == 5  # prompt 5 unfinished
+    for r in rows.values():
+        r.update(error=None, budget_stopped=False)
+    table = render_table(list(rows.values()))
+    assert "perplexity minus SD's over the common prompts (95 % interval, prompts resampled):" in table
+    assert f"  mtad W=8  {gap['difference']:+.3f}  [{gap['low']:+.3f}, {gap['high']:+.3f}]" in table

@@ -7,11 +7,15 @@ file only groups runs, it defines no metric.
 from __future__ import annotations
 
 import math
+import random
 import statistics
 from collections.abc import Sequence
 from dataclasses import fields
 
-from mtad.metrics import Metrics, acceptance_by_position, pool
+from mtad.metrics import Metrics, acceptance_by_position, perplexity_of, pool
+
+DRAWS = 10_000
+"""Resamples of the prompts behind a perplexity difference's interval."""
 
 PER_RUN = tuple(f.name for f in fields(Metrics) if f.name != "energy_note")
 """Every numeric field of ``Metrics``: each is kept per row as mean and sample std over the runs."""
@@ -49,6 +53,36 @@ def finished_prompts(records: Sequence[dict], runs_per_prompt: int) -> set[int]:
     return set.intersection(*done) if done else set()
 
 
+def perplexity_gap(records: Sequence[dict], case: str, reference: str, prompts: set[int]) -> dict | None:
+    """``case``'s pooled perplexity minus ``reference``'s over ``prompts`` (those both finished), with a
+    95 % interval from resampling the prompts with replacement (percentile bootstrap, fixed seed): whether
+    one decoder's text is more likely to the target than another's beyond the spread of the prompts. None
+    without two prompts."""
+    totals: dict[str, dict[int, list[float]]] = {case: {}, reference: {}}
+    for r in records:
+        if r["case"] in totals and r["prompt_index"] in prompts:
+            t = totals[r["case"]].setdefault(r["prompt_index"], [0.0, 0])
+            t[0] += r["nll_sum"]
+            t[1] += r["new_tokens"]
+    keys = sorted(set(totals[case]) & set(totals[reference]))
+    if len(keys) < 2:
+        return None
+
+    def gap(sample: Sequence[int]) -> float:
+        a, b = ([sum(totals[c][k][i] for k in sample) for i in (0, 1)] for c in (case, reference))
+        return perplexity_of(a[0], int(a[1])) - perplexity_of(b[0], int(b[1]))
+
+    rng = random.Random(0)
+    draws = sorted(gap(rng.choices(keys, k=len(keys))) for _ in range(DRAWS))
+    return {
+        "reference": reference,
+        "difference": gap(keys),
+        "low": draws[int(0.025 * DRAWS)],
+        "high": draws[int(0.975 * DRAWS) - 1],
+        "prompts": len(keys),
+    }
+
+
 def aggregate(
     records: Sequence[dict],
     cases: Sequence[dict] = (),
@@ -57,13 +91,16 @@ def aggregate(
     budget_stopped: Sequence[str] = (),
 ) -> list[dict]:
     """One row per case (``cases`` order, then first-seen): the pooled figures, the perplexity over the
-    prompts every case finished, per-run ``<metric>_mean``/``_std``, and the case's error if it failed."""
+    prompts every case finished and its difference to SD's (:func:`perplexity_gap`), per-run
+    ``<metric>_mean``/``_std``, and the case's error if it failed."""
     failures = failures or {}
     groups: dict[str, list[dict]] = {c["case"]: [] for c in cases}
     for r in records:
         groups.setdefault(r["case"], []).append(r)
     info = {c["case"]: c for c in cases}
     common = finished_prompts(records, runs_per_prompt)
+    sd = [label for label, rs in groups.items() if (rs[0] if rs else info[label])["method"] == "sd"]
+    sd = sd if len(sd) == 1 else []  # one SD row to compare with (a sweep of SD has none)
     rows = []
     for label, rs in groups.items():
         first = rs[0] if rs else info[label]
@@ -81,6 +118,7 @@ def aggregate(
         row["energy_source"] = first.get("energy_source")
         row["energy_note"] = "; ".join(notes) if notes else None
         row["acceptance_by_position"] = pooled_curve(rs)
+        row["perplexity_vs_sd"] = perplexity_gap(records, label, sd[0], common) if sd and label != sd[0] else None
         row["budget_stopped"] = label in budget_stopped
         row["error"] = failures.get(label)
         rows.append(row)

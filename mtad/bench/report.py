@@ -100,6 +100,13 @@ def render_table(aggregates: Sequence[dict], energy_note: str | None = None) -> 
         out.append("acceptance by draft position (token i kept, given tokens 1..i-1 were):")
         width = max(len(case) for case, c in curves if c)
         out.extend(f"  {case.ljust(width)}  {'  '.join(fmt(v) for v in c)}" for case, c in curves if c)
+    gaps = [(r["case"], r["perplexity_vs_sd"]) for r in aggregates if r.get("perplexity_vs_sd")]
+    if gaps:
+        out.append("perplexity minus SD's over the common prompts (95 % interval, prompts resampled):")
+        width = max(len(case) for case, _ in gaps)
+        out.extend(
+            f"  {case.ljust(width)}  {g['difference']:+.3f}  [{g['low']:+.3f}, {g['high']:+.3f}]" for case, g in gaps
+        )
     for r in aggregates:
         if r["error"]:
             out.append(f"{r['case']} failed after {r['runs']} run(s): {r['error']}")
