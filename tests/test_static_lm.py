@@ -233,7 +233,11 @@ def test_auto_compiles_where_the_engine_can_run_the_target(monkeypatch: pytest.M
     assert pair.engine == "compiled"
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     assert choose_engine("auto", cpu, pair.draft, pair.target) == "compiled"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert choose_engine("auto", gpu, pair.draft, pair.target) == "compiled"  # CUDA graphs there
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (6, 1))
+    assert choose_engine("auto", gpu, pair.draft, pair.target) == "eager"  # no Triton kernels for a Pascal GPU
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert choose_engine("auto", cpu, pair.draft, opt(64, 32, 1, 1)) == "eager"
     assert choose_engine("auto", cpu, types.SimpleNamespace(reads_features=True), pair.target) == "eager"
     assert choose_engine("eager", cpu, pair.draft, pair.target) == "eager"

@@ -44,7 +44,9 @@ def choose_engine(engine: str, device: torch.device, draft: torch.nn.Module, tar
     if engine != "auto":
         return engine
     spread = len({p.device for p in target.parameters()}) > 1  # device_map="auto" over several devices
-    if supports(target) is None and not getattr(draft, "reads_features", False) and not spread:
+    # inductor's GPU kernels (Triton) need compute capability 7.0 or newer
+    old_gpu = device.type == "cuda" and torch.cuda.get_device_capability(device) < (7, 0)
+    if supports(target) is None and not getattr(draft, "reads_features", False) and not spread and not old_gpu:
         return "compiled"
     return "eager"
 
