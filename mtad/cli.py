@@ -43,7 +43,8 @@ def add_engine_arg(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="eager: transformers' forward; compiled: both models over static caches, their decoding shapes "
         "compiled with torch.compile before timing (about 20 s the first time on a 2-core CPU, seconds once inductor "
-        "keeps the code on disk); auto: compiled on a CPU where it can run the target, else eager "
+        "keeps the code on disk) and, on a GPU, replayed from CUDA graphs; auto: compiled wherever it can run the "
+        "target, else eager "
         "(default: MTAD_ENGINE, else auto; generate's auto is eager: for one prompt compiling costs more than "
         "it saves)",
     )
