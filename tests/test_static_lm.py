@@ -244,6 +244,7 @@ def test_auto_compiles_where_the_engine_can_run_the_target(monkeypatch: pytest.M
     spread = copy.deepcopy(pair.target)
     spread.lm_head.to("meta")  # a target split over devices (device_map="auto"): one cache cannot hold it
     assert choose_engine("auto", gpu, pair.draft, spread) == "eager"
+    assert "split over several devices" in supports(spread)
     assert load(*tiny_dirs, device="cpu", engine="eager").engine == "eager"
 
 

@@ -64,6 +64,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from mtad.models.devices import to_device
+
 IMPORTED = time.time()
 WORK = Path(".train-onpolicy")
 DRAFT = Path("assets/models/smollm2-draft")
@@ -343,13 +345,6 @@ def target_replies(
         {"ids": torch.cat([prompt, torch.tensor(reply)]).int(), "start": len(prompt) - 1}
         for prompt, reply in zip(prompt_ids, replies, strict=True)
     ]
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A CPU tensor on ``device``; to a GPU through pinned memory, without waiting for the copy."""
-    if device.type == "cpu":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def padded(samples: list[dict], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

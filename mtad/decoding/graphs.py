@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mtad.models.devices import to_device
+
 
 def graphs_enabled(device: torch.device) -> bool:
     """Whether the compiled engine captures CUDA graphs on ``device``: on CUDA, unless the operator's
@@ -46,7 +48,6 @@ class ForwardGraphs:
         self.capture = capture
         self.epoch = -1
         self.shapes: dict[tuple, Captured] = {}
-        self.captures = 0  # graphs captured so far (a test counts them)
 
     def run(
         self,
@@ -67,24 +68,22 @@ class ForwardGraphs:
         if epoch != self.epoch:
             self.shapes.clear()
             self.epoch = epoch
-        rows, n = tokens.shape
+        n = tokens.shape[1]
         device = tokens.device
         entry = self.shapes.get(key)
-        if entry is None:
+        new = entry is None
+        if new:
             entry = self.shapes[key] = Captured(
                 tokens=torch.empty_like(tokens),
                 positions=torch.empty(n, dtype=torch.long, device=device),
                 slots=torch.empty(n, dtype=torch.long, device=device),
                 mask=torch.empty(n, capacity, dtype=torch.bool, device=device),
             )
-            self._fill(entry, tokens, past, capacity, positions, allow)
-            if self.capture:
-                entry.graph, entry.out = self._capture(
-                    lambda: forward(entry.tokens, entry.positions, entry.slots, entry.mask)
-                )
-                self.captures += 1
-        else:
-            self._fill(entry, tokens, past, capacity, positions, allow)
+        self._fill(entry, tokens, past, capacity, positions, allow)
+        if new and self.capture:
+            entry.graph, entry.out = self._capture(
+                lambda: forward(entry.tokens, entry.positions, entry.slots, entry.mask)
+            )
         if entry.graph is None:
             return forward(entry.tokens, entry.positions, entry.slots, entry.mask)
         entry.graph.replay()
@@ -128,11 +127,3 @@ class ForwardGraphs:
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             out = run()
         return graph, out
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device``; on CUDA through pinned memory, without blocking (a copy from pageable
-    memory would wait for the queued work: a host sync)."""
-    if device.type == "cuda" and t.device.type == "cpu":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)

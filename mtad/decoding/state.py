@@ -12,6 +12,7 @@ from mtad.decoding.features import FeatureLM, Features
 from mtad.decoding.kv import KVCache
 from mtad.decoding.static_lm import StaticLM, compiles_draft
 from mtad.events import Step
+from mtad.models.devices import to_device
 from mtad.models.pair import ModelPair
 from mtad.sampling import log_probs, make_generator
 from mtad.settings import Settings, uses_draft
@@ -183,10 +184,7 @@ class DecodeState:
     def pending(self, lm: CachedLM) -> torch.Tensor:
         """The tokens ``lm`` has not seen yet, as a [1, n] tensor. On CUDA they are copied from pinned memory
         without blocking: a copy from pageable memory would wait for the queued draft work (a host sync)."""
-        ids = torch.tensor([self.ids[lm.length :]], dtype=torch.long)
-        if self.device.type == "cuda":
-            return ids.pin_memory().to(self.device, non_blocking=True)
-        return ids.to(self.device)
+        return to_device(torch.tensor([self.ids[lm.length :]], dtype=torch.long), self.device)
 
     def run_target(self, draft: torch.Tensor | None) -> torch.Tensor:
         """One target forward over the unseen context plus ``draft`` [g]; logits [g+1, V]."""

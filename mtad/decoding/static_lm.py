@@ -21,7 +21,8 @@ from typing import Any
 import torch
 import torch._dynamo
 
-from mtad.decoding.graphs import ForwardGraphs, graphs_enabled, to_device
+from mtad.decoding.graphs import ForwardGraphs, graphs_enabled
+from mtad.models.devices import to_device
 from mtad.models.pair import ModelPair
 from mtad.models.static_llama import FEW_QUERIES, int8_layer_weights, layer_weights, llama_forward, supports
 
@@ -221,8 +222,9 @@ class StaticLM:
             dev = cache.device
             if allow is None:
                 allow = torch.ones(n, past + n, dtype=torch.bool).tril(diagonal=past)
-            pos = torch.arange(past, past + n, device=dev) if positions is None else to_device(positions, dev)
-            logits = forward(tokens, pos, torch.arange(past, past + n, device=dev), to_device(allow, dev))
+            slots = torch.arange(past, past + n, device=dev)
+            pos = slots if positions is None else to_device(positions, dev)
+            logits = forward(tokens, pos, slots, to_device(allow, dev))
         self.cache.length = past + n
         if self.columns is None or columns:
             return logits[..., : self.vocab].float()

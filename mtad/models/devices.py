@@ -102,6 +102,14 @@ def resolve_device_map(device_map: str | None) -> str | None:
     return None if value == "none" else value
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``; on CUDA through pinned memory, without blocking (a copy from pageable
+    memory would wait for the queued work: a host sync)."""
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def first_device(model: torch.nn.Module) -> torch.device:
     """Where a (possibly split) model takes its input ids: accelerate's main device (the first GPU in its
     device map, else the CPU), or where the input embeddings are for a model on one device."""

@@ -144,10 +144,6 @@ def load(
         raise PairError("the compiled engine does not keep the target's features this draft reads; use --engine eager")
     if engine == "compiled" and (why := supports(models[1])) is not None:
         raise PairError(f"the compiled engine cannot run this target: {why}; use --engine eager")
-    if engine == "compiled" and len({p.device for p in models[1].parameters()}) > 1:
-        raise PairError(
-            "the compiled engine keeps the cache on one device; a target split over several runs with --engine eager"
-        )
     eos = {tok_t.eos_token_id} if tok_t.eos_token_id is not None else set()
     for m in models[1:]:
         cfg_eos = getattr(m.generation_config, "eos_token_id", None)

@@ -36,17 +36,16 @@ def resolve_engine(engine: str | None) -> str:
 
 
 def choose_engine(engine: str, device: torch.device, draft: torch.nn.Module, target: torch.nn.Module) -> str:
-    """What ``auto`` means for a loaded pair: ``compiled`` wherever the engine can run the target, the
-    draft reads none of the target's features and the target sits on one device, else ``eager``. The bench measured every decoder faster
+    """What ``auto`` means for a loaded pair: ``compiled`` wherever the engine can run the target
+    (:func:`supports`) and the draft reads none of the target's features, else ``eager``. The bench measured every decoder faster
     compiled on a CPU (bf16, and fp32 on AVX2) and on a GPU, where the compiled engine replays CUDA graphs
     (an H200: AR 8.4x, MTAD 5.9x the eager engine; docs/benchmarks.md). An explicit engine is returned
     as it is."""
     if engine != "auto":
         return engine
-    spread = len({p.device for p in target.parameters()}) > 1  # device_map="auto" over several devices
     # inductor's GPU kernels (Triton) need compute capability 7.0 or newer
     old_gpu = device.type == "cuda" and torch.cuda.get_device_capability(device) < (7, 0)
-    if supports(target) is None and not getattr(draft, "reads_features", False) and not spread and not old_gpu:
+    if supports(target) is None and not getattr(draft, "reads_features", False) and not old_gpu:
         return "compiled"
     return "eager"
 
@@ -69,6 +68,8 @@ def supports(model: torch.nn.Module) -> str | None:
         return "biased projections are not supported by the compiled engine"
     if getattr(cfg, "hidden_act", "silu") != "silu":
         return f"the {cfg.hidden_act} activation is not supported by the compiled engine (SiLU only)"
+    if len({p.device for p in model.parameters()}) > 1:  # device_map="auto" over several devices
+        return "it is split over several devices, and the compiled engine keeps its cache on one"
     return None
 
 
