@@ -152,6 +152,71 @@ def test_fixed_input_forwards_match_the_eager_cache_across_generations(tiny_pair
         torch.testing.assert_close(logits[j], full_logits(tiny_pair.target, ids[: 65 + j]), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("graphs", [False, True])
+def test_row_operations_that_copy_only_what_differs_keep_the_eager_cache_s_logits(tiny_pair, graphs: bool) -> None:
+    """Beams reorder only their drafted positions, and a kept buffer set is refreshed from where its copy of
+    the shared context ends: random fan-outs to 2 or 3 rows, reorders, selections down to fewer rows,
+    rollbacks into the shared context and tree paths, with every forward's logits equal to the eager
+    cache's (which copies everything)."""
+    gen = torch.Generator().manual_seed(3)
+    prompt = tiny_pair.encode("abc def gh")
+    eager = CachedLM(tiny_pair.target, tiny_pair.vocab_size)
+    static = StaticLM(tiny_pair.target, tiny_pair.vocab_size, compile=False, graphs=graphs)
+
+    def rand(*shape: int) -> list:
+        return torch.randint(1, tiny_pair.vocab_size, shape, generator=gen).tolist()
+
+    def draw(n: int) -> int:
+        return int(torch.randint(0, n, (), generator=gen))
+
+    feed_both(eager, static, [prompt])
+    for lm in (eager, static):  # the kept set of 3 rows holds the prompt ...
+        lm.cache.fan_out(3)
+    feed_both(eager, static, rand(3, 1))
+    for lm in (eager, static):  # ... whose end is then rolled back and written anew in one row
+        lm.cache.keep_row(2)
+        lm.rollback(len(prompt) - 3)
+    feed_both(eager, static, rand(1, 4), keep=4)
+    for lm in (eager, static):
+        lm.cache.fan_out(3)
+    feed_both(eager, static, rand(3, 2), keep=2)
+    rolled_into_shared = 0
+    for _ in range(200):
+        rows = static.cache.rows
+        op = draw(5)
+        if op == 0 and rows == 1:  # fan out, then beam steps
+            width = 2 + draw(2)
+            for lm in (eager, static):
+                lm.cache.fan_out(width)
+            for _ in range(1 + draw(3)):
+                feed_both(eager, static, rand(width, 1))
+                parent = torch.randint(0, width, (width,), generator=gen)
+                for lm in (eager, static):
+                    lm.cache.reorder(parent)
+        elif op == 1 and rows > 1:  # keep fewer rows, in a new order
+            index = torch.randperm(rows, generator=gen)[: 1 + draw(rows)]
+            for lm in (eager, static):
+                lm.cache.select_rows(index)
+        elif op == 2:  # roll back, sometimes into the context the rows share
+            back = eager.length - draw(6)
+            rolled_into_shared += back < static.cache.shared
+            for lm in (eager, static):
+                lm.rollback(back)
+        elif op == 3 and rows == 1:  # a tree path
+            n = eager.length
+            keep = list(range(n - 4)) + [n - 3, n - 1]
+            for lm in (eager, static):
+                lm.cache.keep_positions(keep)
+        else:
+            n = 1 + draw(3)
+            feed_both(eager, static, rand(rows, n), keep=n)
+        assert static.cache.rows == eager.cache.rows and static.length == eager.length
+    assert rolled_into_shared > 0  # the case where a kept set's copy of the context goes stale
+    for lm in (eager, static):
+        lm.cache.keep_row(0)
+    feed_both(eager, static, [rand(3)], keep=3)
+
+
 def test_tree_verification_on_the_compiled_engine(tiny_pair) -> None:
     check_tree_forward(dataclasses.replace(tiny_pair, engine="compiled"))
 

@@ -38,26 +38,29 @@ class StaticKV:
     """Keys and values in preallocated buffers, the same operations as :class:`~mtad.decoding.kv.KVCache`.
 
     ``length`` is a host integer (decoding always knows it): cropping moves it, and a forward writes its
-    tokens at slots ``length …``. Row operations copy inside the buffers, never reallocate, unless the
-    row count changes.
+    tokens at slots ``length …`` (then :meth:`wrote`). One set of buffers per row count is kept and reused,
+    so beams fanning out and back to one row every iteration move between the same tensors (what CUDA
+    graphs need: a graph reads the buffers it was captured over); only a larger capacity makes new ones,
+    and bumps :attr:`epoch`.
 
-    ``pooled`` (what CUDA graphs need, since a graph reads the buffers it was captured over): one set of
-    buffers per row count is kept and reused, so beams fanning out and back to one row every iteration
-    move between the same tensors; only a larger capacity makes new ones, and bumps :attr:`epoch`."""
+    Row operations copy only what differs: the first :attr:`shared` positions are the same in every row
+    (the context the rows were fanned out from), so reordering beams moves their few drafted positions,
+    not the whole context; and a kept set remembers how much of that context it still holds, so fanning
+    out again copies only what was committed since."""
 
-    def __init__(
-        self, config: Any, dtype: torch.dtype, device: torch.device, step: int = CAPACITY_STEP, pooled: bool = False
-    ) -> None:
+    def __init__(self, config: Any, dtype: torch.dtype, device: torch.device, step: int = CAPACITY_STEP) -> None:
         self.layers = config.num_hidden_layers
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.dtype, self.device = dtype, device
         self.step = step
         self.length = 0
+        self.shared = 0  # leading positions equal in every row
         self.epoch = 0
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self._sets: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] | None = {} if pooled else None
+        self._sets: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        self._synced: dict[int, int] = {}  # row count -> leading positions of the shared context its set holds
 
     @property
     def rows(self) -> int:
@@ -68,41 +71,33 @@ class StaticKV:
     def capacity(self) -> int:
         return self.keys[0].shape[2] if self.keys else 0
 
+    def reset(self) -> None:
+        """Empty, for a new generation: the buffers stay, what they hold is void."""
+        self.length = self.shared = 0
+        self._synced.clear()
+
+    def wrote(self, end: int) -> None:
+        """A forward wrote slots ``length …`` up to ``end`` in every row: ``end`` positions are held now (in
+        one row, all of them shared)."""
+        self.length = end
+        if self.rows == 1:
+            self.shared = end
+
     @torch.inference_mode()  # the buffers are inference tensors, changed in place
     def reserve(self, rows: int, length: int) -> None:
         """Make room for ``length`` positions in ``rows`` rows, keeping what is held (capacity grows in
-        steps of :attr:`step`, so buffers are rarely remade)."""
+        steps of :attr:`step`, so buffers are rarely remade); from one row to several this fans it out."""
         if self.keys and rows == self.rows and length <= self.capacity:
             return
-        old, n = self.keys + self.values, self.length
-        self._allocate(rows, max(self.capacity, -(-length // self.step) * self.step))
-        if old and n:
-            for buf, src in zip(self.keys + self.values, old, strict=True):
-                buf[:, :, :n] = src[:, :, :n] if src.shape[0] == rows else src[:1, :, :n].expand(rows, -1, -1, -1)
-
-    def _allocate(self, rows: int, capacity: int) -> None:
-        """Buffers of ``rows`` rows and ``capacity`` positions, fresh and zeroed or (pooled) the kept set of
-        that many rows; their content is the caller's."""
-        if self._sets is not None:
-            if capacity != self.capacity:
-                self._sets.clear()
-                self.epoch += 1
-            if rows in self._sets:
-                self.keys, self.values = self._sets[rows]
-                return
-        shape = (rows, self.kv_heads, capacity, self.head_dim)
-        self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
-        self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
-        for buf in self.keys + self.values:
-            torch._dynamo.mark_dynamic(buf, 2)  # a larger capacity is the same compiled graph
-            if rows > 1:
-                torch._dynamo.mark_dynamic(buf, 0)  # so is another count of beams or drafts
-        if self._sets is not None:
-            self._sets[rows] = (self.keys, self.values)
+        if rows == self.rows:
+            self._move(torch.arange(rows, device=self.device), length)
+        else:  # every row a copy of the first
+            self._move(torch.zeros(rows, dtype=torch.long, device=self.device), length, copies=True)
 
     def crop(self, length: int) -> None:
-        """Forget every position from ``length`` on."""
+        """Forget every position from ``length`` on (a kept set's copy of them is stale from now on)."""
         self.length = min(self.length, length)
+        self._forget_from(self.length)
 
     def fan_out(self, rows: int) -> None:
         """Repeat the one row ``rows`` times (nothing to do while the cache is empty)."""
@@ -112,15 +107,8 @@ class StaticKV:
     @torch.inference_mode()  # the buffers are inference tensors, changed in place
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep the rows ``index`` (a device tensor, so no host read) in that order."""
-        if not self.length:
-            return
-        n = self.length
-        rows = index.numel()
-        picked = [t[:, :, :n].index_select(0, index) for t in self.keys + self.values]
-        if rows != self.rows:
-            self._allocate(rows, self.capacity)
-        for buf, src in zip(self.keys + self.values, picked, strict=True):
-            buf[:, :, :n] = src
+        if self.length:
+            self._move(index, self.length)
 
     def keep_row(self, row: int) -> None:
         """Reduce a fanned-out cache to one of its rows."""
@@ -138,10 +126,59 @@ class StaticKV:
         for buf in self.keys + self.values:
             buf[:, :, : len(keep)] = buf.index_select(2, idx)
         self.length = len(keep)
+        self._forget_from(next((i for i, k in enumerate(keep) if i != k), len(keep)))
 
     def tensors(self) -> list[torch.Tensor]:
         """Every key and value buffer held (what the cache costs in memory)."""
         return self.keys + self.values
+
+    def _forget_from(self, position: int) -> None:
+        """Positions from ``position`` on changed here: other rows and kept sets no longer hold them."""
+        self.shared = min(self.shared, position)
+        for rows, held in self._synced.items():
+            self._synced[rows] = min(held, position)
+
+    def _move(self, index: torch.Tensor, length: int, copies: bool = False) -> None:
+        """Rows ``index`` of what is held become the rows, in buffers with room for ``length`` positions
+        (``copies``: ``index`` names one row only). Positions every row shares, and that the destination
+        holds already, are not copied."""
+        rows, n, shared = index.numel(), self.length, self.shared
+        copies = copies or self.rows == 1
+        capacity = max(self.capacity, -(-length // self.step) * self.step)
+        if capacity != self.capacity:
+            start = 0
+        elif rows == self.rows:
+            start = shared  # rows move within the set: the shared positions are already there
+        else:
+            start = min(self._synced.get(rows, 0), shared)
+        picked = [t[:, :, start:n].index_select(0, index) for t in self.keys + self.values] if n > start else []
+        if rows != self.rows or capacity != self.capacity:
+            if self.keys:
+                self._synced[self.rows] = shared
+            self._allocate(rows, capacity)
+        for buf, src in zip(self.keys + self.values, picked, strict=False):
+            buf[:, :, start:n] = src
+        if rows == 1 or copies:  # one row, or copies of one row
+            self.shared = n
+
+    def _allocate(self, rows: int, capacity: int) -> None:
+        """Make the kept set of ``rows`` rows and ``capacity`` positions current (new and zeroed if there is
+        none; a new capacity drops every kept set); what it holds is the caller's to fill."""
+        if capacity != self.capacity:
+            self._sets.clear()
+            self._synced.clear()
+            self.epoch += 1
+        if rows in self._sets:
+            self.keys, self.values = self._sets[rows]
+            return
+        shape = (rows, self.kv_heads, capacity, self.head_dim)
+        self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
+        self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
+        for buf in self.keys + self.values:
+            torch._dynamo.mark_dynamic(buf, 2)  # a larger capacity is the same compiled graph
+            if rows > 1:
+                torch._dynamo.mark_dynamic(buf, 0)  # so is another count of beams or drafts
+        self._sets[rows] = (self.keys, self.values)
 
 
 class StaticLM:
@@ -225,7 +262,7 @@ class StaticLM:
             slots = torch.arange(past, past + n, device=dev)
             pos = slots if positions is None else to_device(positions, dev)
             logits = forward(tokens, pos, slots, to_device(allow, dev))
-        self.cache.length = past + n
+        self.cache.wrote(past + n)
         if self.columns is None or columns:
             return logits[..., : self.vocab].float()
         full = logits.new_full((*logits.shape[:-1], self.vocab), float("-inf"), dtype=torch.float32)
@@ -240,9 +277,9 @@ def _check_out(lm: StaticLM, model: torch.nn.Module, param: torch.Tensor) -> tup
     try:
         cache, graphs = free.pop()
     except IndexError:
-        cache = StaticKV(model.config, param.dtype, param.device, step=GRAPH_CAPACITY_STEP, pooled=True)
+        cache = StaticKV(model.config, param.dtype, param.device, step=GRAPH_CAPACITY_STEP)
         graphs = ForwardGraphs(capture=param.device.type == "cuda")
-    cache.length = 0
+    cache.reset()
     weakref.finalize(lm, free.append, (cache, graphs))
     return cache, graphs
 
