@@ -20,7 +20,7 @@ from mtad.decoding.state import CachedLM, DecodeState, draft_lm
 from mtad.decoding.static_lm import StaticLM
 from mtad.models.errors import PairError
 from mtad.models.kernels import candidates, use_linear_kernel
-from mtad.models.static_llama import resolve_engine, supports
+from mtad.models.static_llama import _attention, resolve_engine, supports
 from mtad.settings import PARAMS, Settings
 
 
@@ -502,3 +502,22 @@ def test_code_compiled_for_one_cpu_capability_is_not_reused_under_another(tmp_pa
         done = subprocess.run([sys.executable, "-c", ONE_ENGINE_RUN], env=env, capture_output=True, text=True)
         assert done.returncode == 0 and "logits equal" in done.stdout, (capability, done.stderr[-3000:])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cpu-avx2", "cpu-avx512"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decoding_attention_over_strided_buffers_equals_the_fused_kernel(dtype: torch.dtype) -> None:
+    """The few-query attention (bf16 computes its scores as K q^T, fp32 as q K^T) over the first slots of
+    buffers with room to spare, in several rows and grouped heads, equals PyTorch's fused attention over
+    the same keys and values made contiguous."""
+    gen = torch.Generator().manual_seed(0)
+    rows, heads, kv_heads, n, d, capacity, span = 3, 6, 2, 4, 16, 64, 37
+    q = torch.randn(rows, heads, n, d, generator=gen).to(dtype)
+    k_buf = torch.randn(rows, kv_heads, capacity, d, generator=gen).to(dtype)
+    v_buf = torch.randn(rows, kv_heads, capacity, d, generator=gen).to(dtype)
+    mask = torch.ones(n, span, dtype=torch.bool).tril(diagonal=span - n)
+    ours = _attention(q, k_buf, v_buf, mask, 0.25)
+    fused = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k_buf[:, :, :span].float(), v_buf[:, :, :span].float(), attn_mask=mask, scale=0.25, enable_gqa=True
+    )
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(ours.float(), fused, rtol=tol, atol=tol)

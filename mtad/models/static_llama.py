@@ -243,7 +243,12 @@ def _attention(
         )
     groups = heads // kv_heads
     qg = q.reshape(rows, kv_heads, groups * n, d)  # head h reads kv head h // groups, as transformers repeats
-    scores = torch.matmul(qg, k_buf[:, :, :span].transpose(-1, -2)).float() * scaling
+    keys = k_buf[:, :, :span]  # a strided view: each row's slots lie a whole capacity apart
+    if q.dtype == torch.bfloat16:  # bf16 products read that view faster as K q^T: a beam step's draft forward
+        # of 8 rows 2.9 -> 2.3 ms, a one-token target forward 16.3 -> 15.6 ms (fp32 is faster as it was)
+        scores = torch.matmul(keys, qg.transpose(-1, -2)).transpose(-1, -2).float() * scaling
+    else:
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scaling
     scores = scores.view(rows, kv_heads, groups, n, span).masked_fill(~mask, float("-inf"))
     weights = torch.softmax(scores, dim=-1).to(q.dtype).view(rows, kv_heads, groups * n, span)
     return torch.matmul(weights, v_buf[:, :, :span]).view(rows, heads, n, d)
