@@ -37,10 +37,11 @@ def sd_accept(st: DecodeState, drafts: Drafts, logits: torch.Tensor) -> Verdict:
     row = n.view(1)  # index_select, not [0-d tensor] indexing, which reads the index on the host
     if greedy:
         extra = log_p.index_select(0, row)[0].argmax()
-    else:
-        p, q = probs(log_p), probs(log_q)
-        table = torch.cat([residual(p[:g], q), p[g:]], dim=0).index_select(0, row)[0]
-        extra = sample(torch.where(table.sum() > 0, table, p.index_select(0, row)[0]), st.generator)
+    else:  # only row n's laws: the target's p there, and q there after a rejection (none after g accepted)
+        p = probs(log_p.index_select(0, row))[0]
+        q = probs(torch.cat([log_q, log_q[:1]]).index_select(0, row))[0] * (n < g)
+        table = residual(p, q)  # after g accepted drafts, p itself: the bonus token
+        extra = sample(torch.where(table.sum() > 0, table, p), st.generator)
     kept_lp = kept_logprobs(logits, draft, n, extra)
     return Verdict(draft, lp_x.cumsum(0), lq_x.cumsum(0), n, extra, kept_lp, draft_calls=g, uniforms=uniforms)
 
