@@ -79,6 +79,36 @@ def warp(logits: torch.Tensor, settings: Settings) -> torch.Tensor:
     return logits.where(keep.scatter_(-1, idx, keep_top), float("-inf"))
 
 
+def top_log_probs(logits: torch.Tensor, settings: Settings, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The ``n`` first tokens of each row of [rows, V] ``logits`` in the warped law's order and their log p
+    under it (-inf where top-p drops them), without the whole rows' law: what a beam step needs.
+
+    The same law as :func:`log_probs` (the top-k list in ``topk``'s order, then the ties of the k-th logit
+    it left out; top-p keeps a prefix), to rounding: the kept mass is summed over the top k plus the left-out
+    ties it keeps, counted in one pass, instead of warping and normalising every logit. None where this does
+    not apply (greedy, top-k off, or ``n`` past top-k): use :func:`log_probs`."""
+    vocab = logits.shape[-1]
+    if settings.is_greedy or not 0 < settings.top_k < vocab or n > settings.top_k:
+        return None
+    x = logits.float()
+    if settings.temperature != 1.0:
+        x = x / settings.temperature
+    vals, cols = x.topk(settings.top_k, dim=-1)  # sorted, largest first
+    kth = vals[..., -1:]
+    left_out = (x == kth).sum(dim=-1, keepdim=True) - (vals == kth).sum(dim=-1, keepdim=True)
+    weights = (vals - vals[..., :1]).exp()
+    tie_weight = weights[..., -1:]
+    total = weights.sum(dim=-1, keepdim=True) + left_out * tie_weight
+    if settings.top_p < 1.0:  # warp's own rule, on the same values
+        probs = weights / total
+        keep = probs.cumsum(dim=-1) - probs < settings.top_p  # the first always: nothing above it, top_p > 0
+        kept_ties = ((settings.top_p - probs.sum(dim=-1, keepdim=True)) / (tie_weight / total)).ceil()
+        kept_ties = torch.minimum(kept_ties.nan_to_num(nan=0.0).clamp_min(0), left_out)
+        total = (weights * keep).sum(dim=-1, keepdim=True) + kept_ties * tie_weight
+        return (vals[..., :n] - vals[..., :1] - total.log()).masked_fill(~keep[..., :n], float("-inf")), cols[..., :n]
+    return vals[..., :n] - vals[..., :1] - total.log(), cols[..., :n]
+
+
 def pick(logp: torch.Tensor, settings: Settings, generator: torch.Generator | None) -> torch.Tensor:
     """One token per row: argmax when greedy, else a draw from exp(logp)."""
     if settings.is_greedy:

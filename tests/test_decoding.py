@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import cached_next_logits, full_logits, seeded_run
 
-from mtad.decoding import DECODERS, decode, generate
+from mtad.decoding import DECODERS, beams, decode, generate
 from mtad.decoding.beams import beam_draft
 from mtad.decoding.mtad import mtad_step
 from mtad.decoding.rules import mtad_accept_length
@@ -357,3 +357,30 @@ def test_bad_prompts_are_refused(tiny_pair: ModelPair) -> None:
         generate(tiny_pair, "abc " * 200, Settings(max_new_tokens=10))
     with pytest.raises(ValueError, match="context length"):
         list(decode(tiny_pair, [1, 2, 3], Settings(max_new_tokens=254)))
+
+
+@pytest.mark.parametrize("top_p", [0.3, 1.0])
+def test_beam_steps_read_from_the_first_tokens_equal_the_whole_law(
+    close_pair: ModelPair, monkeypatch: pytest.MonkeyPatch, top_p: float
+) -> None:
+    """MTAD's beam steps take each row's first W tokens under the warped law from ``top_log_probs``; taking
+    them from the whole rows' law (``log_probs``, then top-W) gives the same beams, joint log q and text.
+    Top-p 0.3 often keeps fewer than W tokens: the beams past them carry -inf (their tokens are anyone's)."""
+    s = Settings(method="mtad", gamma=4, beams=4, tau=0.3, top_p=top_p, seed=5, max_new_tokens=48)
+    ids = close_pair.encode(PROMPT)
+    fast = list(decode(close_pair, ids, s))
+    monkeypatch.setattr(beams, "top_log_probs", lambda *args: None)
+    whole = list(decode(close_pair, ids, s))
+    assert [st.appended_ids for st in fast] == [st.appended_ids for st in whole]
+
+    def live(step: object) -> list:  # none at the end, where there is no room to draft
+        return [
+            (b, score) for b, score in zip(step.beams or [], step.beam_scores or [], strict=True) if score > -math.inf
+        ]
+
+    for a, b in zip(fast, whole, strict=True):
+        assert [beam for beam, _ in live(a)] == [beam for beam, _ in live(b)]
+        assert [score for _, score in live(a)] == pytest.approx([score for _, score in live(b)], abs=1e-5)
+        assert len(a.beams or []) == len(b.beams or []) and a.log_q == pytest.approx(b.log_q, abs=1e-5)
+    if top_p < 1.0:
+        assert any(len(live(step)) < len(step.beams or []) for step in fast)

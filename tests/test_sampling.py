@@ -4,7 +4,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from mtad.sampling import log_probs, make_generator, pick, probs, sample, warp, warper
+from mtad.sampling import log_probs, make_generator, pick, probs, sample, top_log_probs, warp, warper
 from mtad.settings import Settings
 
 
@@ -116,3 +116,54 @@ def test_probs_equals_exp_of_normalised_log_probs() -> None:
     assert torch.isinf(lp).sum() > 0
     assert torch.allclose(probs(lp), lp.exp(), atol=1e-7)
     assert (probs(lp)[torch.isinf(lp)] == 0).all()
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p", "n"),
+    [(1.0, 20, 0.9, 8), (0.7, 5, 0.5, 5), (1.3, 50, 0.99, 8), (1.0, 3, 1.0, 3), (2.0, 1, 0.3, 1), (1.0, 20, 0.2, 20)],
+)
+def test_top_log_probs_are_the_warped_law_s_first_tokens(temperature: float, top_k: int, top_p: float, n: int) -> None:
+    """A beam step's shortcut: each row's first n tokens under the warped law, with their log p under it, equal
+    log_probs' own (values to rounding, -inf where dropped, the same kept count), on flat and peaked rows and
+    on bf16 logits whose k-th value ties with tokens top-k's list left out."""
+    s = Settings(temperature=temperature, top_k=top_k, top_p=top_p)
+    g = torch.Generator().manual_seed(2)
+    ties = 0
+    for scale in (0.5, 3.0, 10.0):
+        for logits in (
+            torch.randn(64, 300, generator=g) * scale,
+            (torch.randn(64, 300, generator=g) * scale).bfloat16(),
+        ):
+            full = log_probs(logits, s)
+            values, cols = top_log_probs(logits, s, n)
+            assert values.shape == cols.shape == (64, n)
+            torch.testing.assert_close(values, full.gather(-1, cols), rtol=1e-5, atol=1e-5)
+            first = full.topk(n, dim=-1).values  # the law's own first n, in order
+            torch.testing.assert_close(values, first, rtol=1e-5, atol=1e-5)
+            top = logits.float().topk(top_k + 1, dim=-1).values
+            ties += int((top[:, top_k - 1] == top[:, top_k]).sum()) if top_k < 300 else 0
+    assert ties > 0  # the left-out ties of the k-th logit, which change the kept mass, were met
+
+
+def test_top_log_probs_count_every_left_out_tie_in_the_kept_mass() -> None:
+    """Three tokens share the 2nd-best logit and top-k is 2: the two that top-k's list left out still hold
+    mass. Without top-p the best token has p = e^3 / (e^3 + 3e), as log_probs gives it. With top-p 0.75 the
+    best (p = 0.711) is below 0.75, so one tie is kept beside it and the kept mass is e^3 + e; with 0.7 the
+    best alone."""
+    logits = torch.tensor([[1.0, 3.0, 1.0, -5.0, 1.0]])
+    values, cols = top_log_probs(logits, Settings(top_k=2, top_p=1.0), 2)
+    assert int(cols[0, 0]) == 1 and int(cols[0, 1]) in (0, 2, 4)
+    expected = torch.log_softmax(torch.tensor([3.0, 1.0, 1.0, 1.0]), -1)[:2]
+    torch.testing.assert_close(values[0], expected)
+    values, _ = top_log_probs(logits, Settings(top_k=2, top_p=0.75), 2)
+    torch.testing.assert_close(values[0], torch.log_softmax(torch.tensor([3.0, 1.0]), -1))
+    assert int(torch.isfinite(log_probs(logits, Settings(top_k=2, top_p=0.75))).sum()) == 2
+    values, _ = top_log_probs(logits, Settings(top_k=2, top_p=0.7), 2)
+    assert values[0].tolist() == [0.0, float("-inf")]
+
+
+def test_top_log_probs_leave_what_they_cannot_do_to_log_probs() -> None:
+    logits = torch.randn(2, 50)
+    assert top_log_probs(logits, Settings(greedy=True), 4) is None
+    assert top_log_probs(logits, Settings(top_k=0), 4) is None
+    assert top_log_probs(logits, Settings(top_k=3), 4) is None

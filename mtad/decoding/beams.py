@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from mtad.decoding.state import CachedLM, DecodeState
+from mtad.sampling import top_log_probs
 
 
 @dataclass
@@ -69,21 +70,25 @@ def beam_search(st: DecodeState, lm: CachedLM, g: int, stop_at_eos: bool = False
         pad[0, eos[0]] = 0.0  # a finished beam's only continuation: EOS again, at no cost
     for s in range(g):
         logits = st.run_next(lm, tokens)  # [B, C] over the model's columns
-        lp = st.judged(logits)
-        if stop_at_eos:
-            lp = torch.where(done[:, None], pad, lp)
-        k = min(width, lp.numel())
-        key = lp
-        if stochastic:
-            u = torch.rand(lp.shape, generator=st.generator, device=dev)
-            key = lp + -torch.log(-torch.log(u.clamp_min(1e-20)))
+        k = min(width, logits.numel())
         # the top k of (beam score + key) over B x C lie among each row's own top k (a row shares
         # its beam score): two small top-k's instead of one over B x C, a sort-free 3x less work
-        row_key, row_col = key.topk(min(k, key.shape[-1]), dim=-1)
+        top = None if stochastic or stop_at_eos or raw else top_log_probs(logits, st.settings, min(k, logits.shape[-1]))
+        if top is not None:  # each row's first k under the run's law, without the whole rows' law
+            row_key, row_col = top
+        else:
+            lp = st.judged(logits)
+            if stop_at_eos:
+                lp = torch.where(done[:, None], pad, lp)
+            key = lp
+            if stochastic:
+                u = torch.rand(lp.shape, generator=st.generator, device=dev)
+                key = lp + -torch.log(-torch.log(u.clamp_min(1e-20)))
+            row_key, row_col = key.topk(min(k, key.shape[-1]), dim=-1)
         pick = torch.topk((beam_scores[:, None] + row_key).view(-1), k).indices
         parent = pick // row_key.shape[-1]
-        col = row_col.view(-1)[pick]
-        lp_x = lp[parent, col]
+        col = row_col.reshape(-1)[pick]
+        lp_x = row_key.reshape(-1)[pick] if top is not None else lp[parent, col]
         tok = st.tokens_of(lm, col)
         beam_scores = beam_scores[parent] + lp_x
         hist = torch.cat([hist[parent], tok[:, None]], dim=1)
