@@ -30,14 +30,20 @@ def warper(settings: Settings) -> LogitsProcessorList:
 def log_probs(logits: torch.Tensor, settings: Settings) -> torch.Tensor:
     """Log-probabilities the run samples from and judges with, over the last dim.
 
-    Sampling: log softmax of the warped logits (filtered tokens get -inf). Greedy: the plain
-    log softmax at T=1, which is what the paper's rule compares when nothing is sampled.
+    Sampling: log softmax of the warped logits (filtered tokens get -inf), normalised by the kept mass that
+    :func:`warp` already summed rather than by a second pass over every logit. Greedy: the plain log
+    softmax at T=1, which is what the paper's rule compares when nothing is sampled.
     """
     logits = logits.float()
-    if not settings.is_greedy:
-        shape = logits.shape
-        logits = warp(logits.reshape(-1, shape[-1]), settings).reshape(shape)
-    return torch.log_softmax(logits, dim=-1)
+    if settings.is_greedy:
+        return torch.log_softmax(logits, dim=-1)
+    shape = logits.shape
+    flat = logits.reshape(-1, shape[-1])
+    kept = _kept(flat, settings)
+    if kept is None:
+        return torch.log_softmax(warper(settings)(None, flat), dim=-1).reshape(shape)
+    x, keep, log_mass = kept
+    return torch.where(keep, x - log_mass, float("-inf")).reshape(shape)
 
 
 def warp(logits: torch.Tensor, settings: Settings) -> torch.Tensor:
@@ -51,32 +57,44 @@ def warp(logits: torch.Tensor, settings: Settings) -> torch.Tensor:
     id, and top-p keeps as many of them as its mass rule allows; all without a host read, so the
     decoders' one read per iteration stays one. Without top-k, transformers' warpers run as they are.
     """
+    kept = _kept(logits, settings)
+    if kept is None:
+        return warper(settings)(None, logits)
+    x, keep, _ = kept
+    return x.where(keep, float("-inf"))
+
+
+def _kept(logits: torch.Tensor, settings: Settings) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """:func:`warp`'s work on [rows, V] logits: the tempered logits, which of them are kept, and the log of
+    their kept mass [rows, 1]; None without top-k."""
     vocab = logits.shape[-1]
     if not 0 < settings.top_k < vocab:
-        return warper(settings)(None, logits)
+        return None
     if settings.temperature != 1.0:
         logits = logits / settings.temperature
     vals, idx = logits.topk(settings.top_k, dim=-1)  # sorted, largest first
     kth = vals[..., -1:]
+    weights = (vals - vals[..., :1]).exp()
+    tie_weight = weights[..., -1:]
     if settings.top_p >= 1.0:
-        return logits.masked_fill(logits < kth, float("-inf"))  # TopKLogitsWarper's own rule
+        keep = logits >= kth  # TopKLogitsWarper's own rule
+        total = weights.sum(dim=-1, keepdim=True) + (keep.sum(dim=-1, keepdim=True) - settings.top_k) * tie_weight
+        return logits, keep, vals[..., :1] + total.log()
     ties = logits == kth
     ties.scatter_(-1, idx, False)  # the k-th logit's ties that topk left out, ranked after the top k
     tie_rank = ties.cumsum(dim=-1, dtype=torch.int32)  # by token id, from 1
-    weights = (vals - vals[..., :1]).exp()
-    tie_weight = weights[..., -1:]
-    total = weights.sum(dim=-1, keepdim=True) + tie_rank[..., -1:] * tie_weight
+    left_out = tie_rank[..., -1:]
+    total = weights.sum(dim=-1, keepdim=True) + left_out * tie_weight
     probs, tie_prob = weights / total, tie_weight / total
     # transformers drops a token when the mass of the tokens ranked at or below it is <= 1 - top_p,
-    # i.e. when the mass ranked strictly above it is >= top_p; the first stays
-    above = probs.cumsum(dim=-1) - probs
-    keep_top = above < settings.top_p
-    keep_top[..., 0] = True
+    # i.e. when the mass ranked strictly above it is >= top_p; the first stays (nothing is above it)
+    keep_top = probs.cumsum(dim=-1) - probs < settings.top_p
     # the tie of rank r has the top k's mass and r - 1 ties' above it
     kept_ties = ((settings.top_p - probs.sum(dim=-1, keepdim=True)) / tie_prob).ceil()
     kept_ties = kept_ties.nan_to_num(nan=0.0).clamp(0, vocab).to(torch.int32)
     keep = ties & (tie_rank <= kept_ties)
-    return logits.where(keep.scatter_(-1, idx, keep_top), float("-inf"))
+    mass = (weights * keep_top).sum(dim=-1, keepdim=True) + torch.minimum(kept_ties, left_out) * tie_weight
+    return logits, keep.scatter_(-1, idx, keep_top), vals[..., :1] + mass.log()
 
 
 def top_log_probs(logits: torch.Tensor, settings: Settings, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
