@@ -74,27 +74,16 @@ def _kept(logits: torch.Tensor, settings: Settings) -> tuple[torch.Tensor, torch
         logits = logits / settings.temperature
     vals, idx = logits.topk(settings.top_k, dim=-1)  # sorted, largest first
     kth = vals[..., -1:]
-    weights = (vals - vals[..., :1]).exp()
-    tie_weight = weights[..., -1:]
     if settings.top_p >= 1.0:
         keep = logits >= kth  # TopKLogitsWarper's own rule
-        total = weights.sum(dim=-1, keepdim=True) + (keep.sum(dim=-1, keepdim=True) - settings.top_k) * tie_weight
-        return logits, keep, vals[..., :1] + total.log()
+        _, _, log_mass = _top_p_on_list(vals, keep.sum(dim=-1, keepdim=True) - settings.top_k, settings)
+        return logits, keep, log_mass
     ties = logits == kth
     ties.scatter_(-1, idx, False)  # the k-th logit's ties that topk left out, ranked after the top k
     tie_rank = ties.cumsum(dim=-1, dtype=torch.int32)  # by token id, from 1
-    left_out = tie_rank[..., -1:]
-    total = weights.sum(dim=-1, keepdim=True) + left_out * tie_weight
-    probs, tie_prob = weights / total, tie_weight / total
-    # transformers drops a token when the mass of the tokens ranked at or below it is <= 1 - top_p,
-    # i.e. when the mass ranked strictly above it is >= top_p; the first stays (nothing is above it)
-    keep_top = probs.cumsum(dim=-1) - probs < settings.top_p
-    # the tie of rank r has the top k's mass and r - 1 ties' above it
-    kept_ties = ((settings.top_p - probs.sum(dim=-1, keepdim=True)) / tie_prob).ceil()
-    kept_ties = kept_ties.nan_to_num(nan=0.0).clamp(0, vocab).to(torch.int32)
+    keep_top, kept_ties, log_mass = _top_p_on_list(vals, tie_rank[..., -1:], settings)
     keep = ties & (tie_rank <= kept_ties)
-    mass = (weights * keep_top).sum(dim=-1, keepdim=True) + torch.minimum(kept_ties, left_out) * tie_weight
-    return logits, keep.scatter_(-1, idx, keep_top), vals[..., :1] + mass.log()
+    return logits, keep.scatter_(-1, idx, keep_top), log_mass
 
 
 def top_log_probs(logits: torch.Tensor, settings: Settings, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -102,9 +91,9 @@ def top_log_probs(logits: torch.Tensor, settings: Settings, n: int) -> tuple[tor
     under it (-inf where top-p drops them), without the whole rows' law: what a beam step needs.
 
     The same law as :func:`log_probs` (the top-k list in ``topk``'s order, then the ties of the k-th logit
-    it left out; top-p keeps a prefix), to rounding: the kept mass is summed over the top k plus the left-out
-    ties it keeps, counted in one pass, instead of warping and normalising every logit. None where this does
-    not apply (greedy, top-k off, or ``n`` past top-k): use :func:`log_probs`."""
+    it left out; top-p keeps a prefix), to rounding: the left-out ties are only counted, in one pass, for
+    the mass they hold. None where this does not apply (greedy, top-k off, or ``n`` past top-k): use
+    :func:`log_probs`."""
     vocab = logits.shape[-1]
     if settings.is_greedy or not 0 < settings.top_k < vocab or n > settings.top_k:
         return None
@@ -114,17 +103,33 @@ def top_log_probs(logits: torch.Tensor, settings: Settings, n: int) -> tuple[tor
     vals, cols = x.topk(settings.top_k, dim=-1)  # sorted, largest first
     kth = vals[..., -1:]
     left_out = (x == kth).sum(dim=-1, keepdim=True) - (vals == kth).sum(dim=-1, keepdim=True)
+    keep_top, _, log_mass = _top_p_on_list(vals, left_out, settings)
+    out = vals[..., :n] - log_mass
+    return out if keep_top is None else out.masked_fill(~keep_top[..., :n], float("-inf")), cols[..., :n]
+
+
+def _top_p_on_list(
+    vals: torch.Tensor, left_out: torch.Tensor, settings: Settings
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """Top-p on a sorted top-k list ``vals`` [rows, k] followed by ``left_out`` [rows, 1] more tokens tied with
+    its last: which of the list it keeps (None: all, top-p off), how many of the left-out ties [rows, 1], and
+    the log of the kept mass [rows, 1], the warped law's log-normaliser.
+
+    transformers drops a token when the mass ranked strictly above it is >= top_p (the first stays: nothing
+    is above it); the left-out tie of rank r has the list's mass and r - 1 ties' above it."""
     weights = (vals - vals[..., :1]).exp()
     tie_weight = weights[..., -1:]
     total = weights.sum(dim=-1, keepdim=True) + left_out * tie_weight
-    if settings.top_p < 1.0:  # warp's own rule, on the same values
-        probs = weights / total
-        keep = probs.cumsum(dim=-1) - probs < settings.top_p  # the first always: nothing above it, top_p > 0
-        kept_ties = ((settings.top_p - probs.sum(dim=-1, keepdim=True)) / (tie_weight / total)).ceil()
-        kept_ties = torch.minimum(kept_ties.nan_to_num(nan=0.0).clamp_min(0), left_out)
-        total = (weights * keep).sum(dim=-1, keepdim=True) + kept_ties * tie_weight
-        return (vals[..., :n] - vals[..., :1] - total.log()).masked_fill(~keep[..., :n], float("-inf")), cols[..., :n]
-    return vals[..., :n] - vals[..., :1] - total.log(), cols[..., :n]
+    if settings.top_p >= 1.0:
+        return None, left_out, vals[..., :1] + total.log()
+    probs, tie_prob = weights / total, tie_weight / total
+    keep_top = probs.cumsum(dim=-1) - probs < settings.top_p
+    kept_ties = ((settings.top_p - probs.sum(dim=-1, keepdim=True)) / tie_prob).ceil().nan_to_num(nan=0.0)
+    kept_ties = torch.minimum(
+        kept_ties.clamp_min(0), left_out.to(kept_ties.dtype)
+    )  # never more than exist, whatever rounding
+    mass = (weights * keep_top).sum(dim=-1, keepdim=True) + kept_ties * tie_weight
+    return keep_top, kept_ties, vals[..., :1] + mass.log()
 
 
 def pick(logp: torch.Tensor, settings: Settings, generator: torch.Generator | None) -> torch.Tensor:

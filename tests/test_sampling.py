@@ -21,6 +21,8 @@ def test_warp_equals_transformers(temperature: float, top_k: int, top_p: float) 
         theirs = warper(s)(None, logits.clone())
         assert torch.equal(torch.isinf(ours), torch.isinf(theirs)), (scale, top_k, top_p)
         torch.testing.assert_close(ours[torch.isfinite(ours)], theirs[torch.isfinite(theirs)])
+        # and log_probs, normalised by the kept mass warp summed, is their log softmax
+        torch.testing.assert_close(log_probs(logits, s), torch.log_softmax(theirs, dim=-1))
 
 
 def test_top_k_keeps_every_token_tied_with_the_kth_logit() -> None:
@@ -160,6 +162,22 @@ def test_top_log_probs_count_every_left_out_tie_in_the_kept_mass() -> None:
     assert int(torch.isfinite(log_probs(logits, Settings(top_k=2, top_p=0.75))).sum()) == 2
     values, _ = top_log_probs(logits, Settings(top_k=2, top_p=0.7), 2)
     assert values[0].tolist() == [0.0, float("-inf")]
+
+
+def test_the_kept_left_out_ties_count_in_the_normaliser() -> None:
+    """Four tokens share the 2nd-best logit and top-k is 2, so three are left out of top-k's list; top-p 0.9
+    keeps the best (p = 0.649), the listed tie and two of the three left out (each 0.088 with 0.737, then
+    0.825, above them): the kept mass is e^3 + 3e, as transformers' warpers and a log softmax give it."""
+    logits = torch.tensor([[3.0, 1.0, 1.0, 1.0, 1.0, -5.0]])
+    s = Settings(top_k=2, top_p=0.9)
+    lp = log_probs(logits, s)[0]
+    assert int(torch.isfinite(lp).sum()) == 4
+    expected = torch.log_softmax(torch.tensor([3.0, 1.0, 1.0, 1.0]), -1)
+    torch.testing.assert_close(lp[torch.isfinite(lp)].sort(descending=True).values, expected)
+    theirs = torch.log_softmax(warper(s)(None, logits.clone()), -1)[0]  # which ties: their sort's choice
+    torch.testing.assert_close(lp.sort().values, theirs.sort().values)
+    values, _ = top_log_probs(logits, s, 2)
+    torch.testing.assert_close(values[0], expected[:2])
 
 
 def test_top_log_probs_leave_what_they_cannot_do_to_log_probs() -> None:
