@@ -67,12 +67,10 @@ def warp(logits: torch.Tensor, settings: Settings) -> torch.Tensor:
 def _kept(logits: torch.Tensor, settings: Settings) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """:func:`warp`'s work on [rows, V] logits: the tempered logits, which of them are kept, and the log of
     their kept mass [rows, 1]; None without top-k."""
-    vocab = logits.shape[-1]
-    if not 0 < settings.top_k < vocab:
+    top = _top_k(logits, settings)
+    if top is None:
         return None
-    if settings.temperature != 1.0:
-        logits = logits / settings.temperature
-    vals, idx = logits.topk(settings.top_k, dim=-1)  # sorted, largest first
+    logits, vals, idx = top
     kth = vals[..., -1:]
     if settings.top_p >= 1.0:
         keep = logits >= kth  # TopKLogitsWarper's own rule
@@ -94,18 +92,26 @@ def top_log_probs(logits: torch.Tensor, settings: Settings, n: int) -> tuple[tor
     it left out; top-p keeps a prefix), to rounding: the left-out ties are only counted, in one pass, for
     the mass they hold. None where this does not apply (greedy, top-k off, or ``n`` past top-k): use
     :func:`log_probs`."""
-    vocab = logits.shape[-1]
-    if settings.is_greedy or not 0 < settings.top_k < vocab or n > settings.top_k:
+    top = None if settings.is_greedy or n > settings.top_k else _top_k(logits.float(), settings)
+    if top is None:
         return None
-    x = logits.float()
-    if settings.temperature != 1.0:
-        x = x / settings.temperature
-    vals, cols = x.topk(settings.top_k, dim=-1)  # sorted, largest first
+    x, vals, cols = top
     kth = vals[..., -1:]
     left_out = (x == kth).sum(dim=-1, keepdim=True) - (vals == kth).sum(dim=-1, keepdim=True)
     keep_top, _, log_mass = _top_p_on_list(vals, left_out, settings)
     out = vals[..., :n] - log_mass
     return out if keep_top is None else out.masked_fill(~keep_top[..., :n], float("-inf")), cols[..., :n]
+
+
+def _top_k(logits: torch.Tensor, settings: Settings) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The tempered logits [rows, V] and their top-k values and indices, sorted, largest first, where top-k
+    is on (0 < k < V); None where it is not."""
+    if not 0 < settings.top_k < logits.shape[-1]:
+        return None
+    if settings.temperature != 1.0:
+        logits = logits / settings.temperature
+    vals, idx = logits.topk(settings.top_k, dim=-1)
+    return logits, vals, idx
 
 
 def _top_p_on_list(
@@ -125,9 +131,8 @@ def _top_p_on_list(
     probs, tie_prob = weights / total, tie_weight / total
     keep_top = probs.cumsum(dim=-1) - probs < settings.top_p
     kept_ties = ((settings.top_p - probs.sum(dim=-1, keepdim=True)) / tie_prob).ceil().nan_to_num(nan=0.0)
-    kept_ties = torch.minimum(
-        kept_ties.clamp_min(0), left_out.to(kept_ties.dtype)
-    )  # never more than exist, whatever rounding
+    # never more than there are, whatever the rounding
+    kept_ties = torch.minimum(kept_ties.clamp_min(0), left_out.to(kept_ties.dtype))
     mass = (weights * keep_top).sum(dim=-1, keepdim=True) + kept_ties * tie_weight
     return keep_top, kept_ties, vals[..., :1] + mass.log()
 

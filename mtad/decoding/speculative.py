@@ -39,7 +39,7 @@ def sd_accept(st: DecodeState, drafts: Drafts, logits: torch.Tensor) -> Verdict:
         extra = log_p.index_select(0, row)[0].argmax()
     else:  # only row n's laws: the target's p there, and q there after a rejection (none after g accepted)
         p = probs(log_p.index_select(0, row))[0]
-        q = probs(torch.cat([log_q, log_q[:1]]).index_select(0, row))[0] * (n < g)
+        q = probs(log_q.index_select(0, row.clamp(max=g - 1)))[0] * (n < g)
         table = residual(p, q)  # after g accepted drafts, p itself: the bonus token
         extra = sample(torch.where(table.sum() > 0, table, p), st.generator)
     kept_lp = kept_logprobs(logits, draft, n, extra)
