@@ -71,17 +71,82 @@ def _kept(logits: torch.Tensor, settings: Settings) -> tuple[torch.Tensor, torch
     if top is None:
         return None
     logits, vals, idx = top
-    kth = vals[..., -1:]
-    if settings.top_p >= 1.0:
-        keep = logits >= kth  # TopKLogitsWarper's own rule
-        _, _, log_mass = _top_p_on_list(vals, keep.sum(dim=-1, keepdim=True) - settings.top_k, settings)
-        return logits, keep, log_mass
-    ties = logits == kth
+    keep_top, kept_ties, log_mass = _top_p_on_list(vals, _left_out(logits, vals), settings)
+    return logits, _keep(logits == vals[..., -1:], idx, keep_top, kept_ties), log_mass
+
+
+def _left_out(logits: torch.Tensor, vals: torch.Tensor, at_or_above: torch.Tensor | None = None) -> torch.Tensor:
+    """How many tokens [rows, 1] of ``logits`` tie with the k-th of the top-k list ``vals`` but are not in it:
+    all at or above it (``at_or_above``, if already known), less the k listed (``>=`` counts faster than
+    ``==`` on the CPU)."""
+    if at_or_above is None:
+        at_or_above = logits >= vals[..., -1:]
+    return at_or_above.sum(dim=-1, keepdim=True, dtype=torch.int32) - vals.shape[-1]
+
+
+def _keep(
+    ties: torch.Tensor, idx: torch.Tensor, keep_top: torch.Tensor | None, kept_ties: torch.Tensor
+) -> torch.Tensor:
+    """Which tokens of [rows, V] the warped law keeps: the top-k list's kept ones (``keep_top``; all where
+    top-p is off), then the first ``kept_ties`` of the k-th logit's ties that ``topk`` left out, by token id.
+    Overwrites ``ties``."""
+    if keep_top is None:
+        return ties.scatter_(-1, idx, True)
     ties.scatter_(-1, idx, False)  # the k-th logit's ties that topk left out, ranked after the top k
     tie_rank = ties.cumsum(dim=-1, dtype=torch.int32)  # by token id, from 1
-    keep_top, kept_ties, log_mass = _top_p_on_list(vals, tie_rank[..., -1:], settings)
-    keep = ties & (tie_rank <= kept_ties)
-    return logits, keep.scatter_(-1, idx, keep_top), log_mass
+    return (ties & (tie_rank <= kept_ties)).scatter_(-1, idx, keep_top)
+
+
+class RowLaws:
+    """The run's law over [rows, V] logits, read only where a rule looks: each drafted token's log p under
+    its own row, and one whole row to draw from.
+
+    Warping every row whole (:func:`log_probs`) costs several passes over rows x V; a verification rule
+    needs log p of one token per row and the law of the row it stops at. The same top-k list, ties and
+    top-p cut as :func:`log_probs`, so the values are the same, bit for bit."""
+
+    def __init__(self, logits: torch.Tensor, settings: Settings) -> None:
+        self.settings = settings
+        top = None if settings.is_greedy else _top_k(logits.float(), settings)
+        self.full = log_probs(logits, settings) if top is None else None  # whole rows: greedy, or no top-k
+        if top is not None:
+            self.x, self.vals, self.idx = top
+            self.high = self.x >= self.vals[..., -1:]  # the top-k list and the k-th logit's ties
+            self.keep_top, self.kept_ties, self.log_mass = _top_p_on_list(
+                self.vals, _left_out(self.x, self.vals, self.high), settings
+            )
+
+    def of(self, tokens: torch.Tensor) -> torch.Tensor:
+        """log p [g] of ``tokens`` [g], token i under row i (-inf where warping drops it)."""
+        g = tokens.numel()
+        col = tokens.view(g, 1)
+        if self.full is not None:
+            return self.full[:g].gather(1, col)[:, 0]
+        x, kth = self.x[:g], self.vals[:g, -1:]
+        logit = x.gather(1, col)
+        at = self.idx[:g] == col  # where the token sits in its row's top-k list, if it does
+        listed = at.any(dim=-1, keepdim=True)
+        tie = (logit == kth) & ~listed  # a tie of the k-th logit that the list left out
+        if self.keep_top is None:
+            kept = listed | tie
+        else:
+            kept = (at & self.keep_top[:g]).any(dim=-1, keepdim=True)
+            # its rank among the left-out ties, by token id: those up to it at or above the k-th logit, less
+            # the listed ones (all at or above it)
+            ids = torch.arange(x.shape[-1], device=col.device)
+            upto = (self.high[:g] & (ids <= col)).sum(dim=-1, keepdim=True, dtype=torch.int32)
+            rank = upto - (self.idx[:g] <= col).sum(dim=-1, keepdim=True, dtype=torch.int32)
+            kept = kept | (tie & (rank <= self.kept_ties[:g]))
+        return torch.where(kept, logit - self.log_mass[:g], float("-inf"))[:, 0]
+
+    def row(self, i: torch.Tensor) -> torch.Tensor:
+        """The whole law, log p [V], of row ``i`` (a 1-element tensor: no host read)."""
+        if self.full is not None:
+            return self.full.index_select(0, i)[0]
+        pick_row = lambda t: None if t is None else t.index_select(0, i)  # noqa: E731
+        x, vals = pick_row(self.x), pick_row(self.vals)
+        keep = _keep(x == vals[:, -1:], pick_row(self.idx), pick_row(self.keep_top), pick_row(self.kept_ties))
+        return x.sub(pick_row(self.log_mass)).where(keep, float("-inf"))[0]
 
 
 def top_log_probs(logits: torch.Tensor, settings: Settings, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -96,9 +161,7 @@ def top_log_probs(logits: torch.Tensor, settings: Settings, n: int) -> tuple[tor
     if top is None:
         return None
     x, vals, cols = top
-    kth = vals[..., -1:]
-    left_out = (x == kth).sum(dim=-1, keepdim=True) - (vals == kth).sum(dim=-1, keepdim=True)
-    keep_top, _, log_mass = _top_p_on_list(vals, left_out, settings)
+    keep_top, _, log_mass = _top_p_on_list(vals, _left_out(x, vals), settings)
     out = vals[..., :n] - log_mass
     return out if keep_top is None else out.masked_fill(~keep_top[..., :n], float("-inf")), cols[..., :n]
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from mtad.sampling import log_probs, make_generator, pick, probs, sample, top_log_probs, warp, warper
+from mtad.sampling import RowLaws, log_probs, make_generator, pick, probs, sample, top_log_probs, warp, warper
 from mtad.settings import Settings
 
 
@@ -185,3 +185,49 @@ def test_top_log_probs_leave_what_they_cannot_do_to_log_probs() -> None:
     assert top_log_probs(logits, Settings(greedy=True), 4) is None
     assert top_log_probs(logits, Settings(top_k=0), 4) is None
     assert top_log_probs(logits, Settings(top_k=3), 4) is None
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p", "greedy"),
+    [(1.0, 20, 0.9, False), (0.7, 5, 0.5, False), (1.0, 20, 1.0, False), (1.0, 0, 0.9, False), (1.0, 20, 0.9, True)],
+)
+def test_row_laws_read_the_same_law_as_log_probs_bit_for_bit(
+    temperature: float, top_k: int, top_p: float, greedy: bool
+) -> None:
+    """A rule's reads of the law (one token's log p per row, one whole row) equal log_probs' whole rows
+    exactly, for every token of every row: listed ones, dropped ones and the ties of the k-th logit that
+    top-k's list left out, whether top-p keeps them or cuts among them (bf16 logits and a coarse grid make
+    those ties common)."""
+    s = Settings(temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy)
+    g = torch.Generator().manual_seed(5)
+    cut_ties = kept_ties = 0
+    for logits in (
+        (torch.randn(6, 300, generator=g) * 3).bfloat16().float(),
+        torch.randint(0, 6, (6, 300), generator=g).float() / 2,  # many-way ties at the k-th value
+        torch.randn(6, 300, generator=g) * 0.5,
+    ):
+        full = log_probs(logits, s)
+        laws = RowLaws(logits, s)
+        for i in range(logits.shape[0]):
+            assert torch.equal(laws.row(torch.tensor([i])), full[i])
+        for col in range(logits.shape[-1]):  # every token, each row judging its own
+            tokens = torch.full((logits.shape[0],), col)
+            assert torch.equal(laws.of(tokens), full[:, col])
+        if top_k and not greedy:
+            kth = logits.float().div(temperature).topk(top_k, dim=-1).values[:, -1:]
+            ties = logits.float().div(temperature) == kth
+            cut_ties += int((ties & ~torch.isfinite(full)).sum())
+            kept_ties += int((ties & torch.isfinite(full)).sum())
+    if top_k and not greedy:
+        assert kept_ties > 0
+        if top_p < 1.0:
+            assert cut_ties > 0  # top-p cut among the k-th logit's ties: the rank by token id was exercised
+
+
+def test_row_laws_judge_a_shorter_draft_by_its_own_rows() -> None:
+    """g drafted tokens over g + 1 rows: token i under row i, the last row only drawn from."""
+    logits = torch.randn(5, 40, generator=torch.Generator().manual_seed(1)) * 2
+    s = Settings(top_k=8, top_p=0.8)
+    draft = torch.tensor([3, 7, 1, 30])
+    full = log_probs(logits, s)
+    assert torch.equal(RowLaws(logits, s).of(draft), full[:4].gather(1, draft[:, None])[:, 0])

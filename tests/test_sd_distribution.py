@@ -132,10 +132,10 @@ def test_bonus_from_the_wrong_position_is_caught(bonus_setup: tuple, monkeypatch
     """Negative control: the bonus drawn from p[g-1] (the last draft's position) instead of p[g]."""
     pair, ids, law = bonus_setup
     source = inspect.getsource(speculative.sd_accept)
-    target_row = "probs(log_p.index_select(0, row))"
+    target_row = "probs(laws.row(row))"
     assert source.count(target_row) == 1, "sd_accept no longer takes p at row n: update this control"
     scope = dict(vars(speculative))
-    wrong_row = "probs(log_p.index_select(0, row - (n == g).long()))"  # row g - 1 where the bonus is drawn
+    wrong_row = "probs(laws.row(row - (n == g).long()))"  # row g - 1 where the bonus is drawn
     exec(compile(source.replace(target_row, wrong_row), speculative.__file__, "exec"), scope)
     # swap the code in place, so every reference to sd_accept (SD's iteration, so the registry too) runs the bug
     monkeypatch.setattr(speculative.sd_accept, "__code__", scope["sd_accept"].__code__)

@@ -10,7 +10,7 @@ from mtad.decoding.rules import mtad_accept_length_t
 from mtad.decoding.spec import MethodSpec
 from mtad.decoding.state import DecodeState, kept_logprobs
 from mtad.events import Step
-from mtad.sampling import pick
+from mtad.sampling import RowLaws, pick
 from mtad.settings import PARAMS
 
 
@@ -23,11 +23,10 @@ def mtad_accept(st: DecodeState, beams: Beams, logits: torch.Tensor) -> Verdict:
     """Keep the longest prefix eta of the best beam whose joint min(1, p/q) exceeds tau, then the
     target's token at eta + 1; the Step records every beam."""
     draft, lq_x = beams.of_best(beams.tokens), beams.of_best(beams.token_logq)
-    log_p = st.judged(logits)
-    lp_x = log_p[: draft.numel()].gather(1, draft[:, None])[:, 0]
-    joint_p, joint_q = lp_x.cumsum(0), lq_x.cumsum(0)
+    laws = RowLaws(logits, st.settings)
+    joint_p, joint_q = laws.of(draft).cumsum(0), lq_x.cumsum(0)
     eta = mtad_accept_length_t(joint_p, joint_q, st.settings.tau)
-    extra = pick(log_p.index_select(0, eta.view(1))[0], st.settings, st.generator)
+    extra = pick(laws.row(eta.view(1)), st.settings, st.generator)
     kept_lp = kept_logprobs(logits, draft, eta, extra)
     more = (beams.tokens, beams.scores, beams.best)
     return Verdict(

@@ -9,7 +9,7 @@ from mtad.decoding.rules import sd_accept_length_t
 from mtad.decoding.spec import MethodSpec
 from mtad.decoding.state import DecodeState, kept_logprobs
 from mtad.events import Step
-from mtad.sampling import probs, sample
+from mtad.sampling import RowLaws, probs, sample
 from mtad.settings import PARAMS
 
 
@@ -24,21 +24,21 @@ def sd_accept(st: DecodeState, drafts: Drafts, logits: torch.Tensor) -> Verdict:
     draft, log_q = drafts.tokens[0], drafts.log_q[0]
     g = draft.numel()
     greedy = st.settings.is_greedy
-    log_p = st.judged(logits)
-    lp_x = log_p[:g].gather(1, draft[:, None])[:, 0]
+    laws = RowLaws(logits, st.settings)
+    lp_x = laws.of(draft)
     lq_x = log_q.gather(1, draft[:, None])[:, 0]
     if greedy:
         uniforms = None
-        n = (log_p[:g].argmax(dim=-1) == draft).long().cumprod(0).sum()
+        n = (laws.full[:g].argmax(dim=-1) == draft).long().cumprod(0).sum()  # greedy: whole rows, T = 1
     else:
         uniforms = torch.rand(g, generator=st.generator, device=st.device)
         n = sd_accept_length_t(lp_x.exp(), lq_x.exp(), uniforms)
 
     row = n.view(1)  # index_select, not [0-d tensor] indexing, which reads the index on the host
     if greedy:
-        extra = log_p.index_select(0, row)[0].argmax()
+        extra = laws.full.index_select(0, row)[0].argmax()
     else:  # only row n's laws: the target's p there, and q there after a rejection (none after g accepted)
-        p = probs(log_p.index_select(0, row))[0]
+        p = probs(laws.row(row))
         q = probs(log_q.index_select(0, row.clamp(max=g - 1)))[0] * (n < g)
         table = residual(p, q)  # after g accepted drafts, p itself: the bonus token
         extra = sample(torch.where(table.sum() > 0, table, p), st.generator)
