@@ -11,6 +11,8 @@ import importlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
+import torch
+
 from mtad.events import Step
 from mtad.settings import PARAMS, Param, Settings
 
@@ -102,9 +104,11 @@ class MethodSpec:
 def _stepwise(step_fn: Callable, pair: object, prompt_ids: list[int], settings: Settings) -> Iterator[Step]:
     from mtad.decoding.state import DecodeState
 
-    st = DecodeState.start(pair, prompt_ids, settings)
+    with torch.inference_mode():
+        st = DecodeState.start(pair, prompt_ids, settings)
     while st.remaining > 0:
-        step = step_fn(st)
+        with torch.inference_mode():  # no autograd bookkeeping on the decoders' many small tensor ops
+            step = step_fn(st)
         yield step
         if step.eos:
             return
