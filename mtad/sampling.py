@@ -186,18 +186,21 @@ def _top_p_on_list(
 
     transformers drops a token when the mass ranked strictly above it is >= top_p (the first stays: nothing
     is above it); the left-out tie of rank r has the list's mass and r - 1 ties' above it."""
-    weights = (vals - vals[..., :1]).exp()
+    # in-place steps where a fresh tensor is not needed: these run on [rows, k] lists, several times an
+    # iteration, where each operation's dispatch costs more than its arithmetic
+    top, top_p = vals[..., :1], settings.top_p
+    weights = vals.sub(top).exp_()
     tie_weight = weights[..., -1:]
-    total = weights.sum(dim=-1, keepdim=True) + left_out * tie_weight
-    if settings.top_p >= 1.0:
-        return None, left_out, vals[..., :1] + total.log()
-    probs, tie_prob = weights / total, tie_weight / total
-    keep_top = probs.cumsum(dim=-1) - probs < settings.top_p
-    kept_ties = ((settings.top_p - probs.sum(dim=-1, keepdim=True)) / tie_prob).ceil().nan_to_num(nan=0.0)
+    total = weights.sum(dim=-1, keepdim=True).add_(left_out * tie_weight)
+    if top_p >= 1.0:
+        return None, left_out, total.log_().add_(top)
+    probs = weights / total
+    keep_top = probs.cumsum(dim=-1).sub_(probs) < top_p
+    kept_ties = probs.sum(dim=-1, keepdim=True).neg_().add_(top_p).div_(probs[..., -1:]).ceil_()
     # never more than there are, whatever the rounding
-    kept_ties = torch.minimum(kept_ties.clamp_min(0), left_out.to(kept_ties.dtype))
-    mass = (weights * keep_top).sum(dim=-1, keepdim=True) + kept_ties * tie_weight
-    return keep_top, kept_ties, vals[..., :1] + mass.log()
+    kept_ties = torch.minimum(kept_ties.nan_to_num_(nan=0.0).clamp_min_(0), left_out)
+    mass = (weights * keep_top).sum(dim=-1, keepdim=True).add_(kept_ties * tie_weight)
+    return keep_top, kept_ties, mass.log_().add_(top)
 
 
 def pick(logp: torch.Tensor, settings: Settings, generator: torch.Generator | None) -> torch.Tensor:
