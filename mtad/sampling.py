@@ -163,7 +163,7 @@ def top_log_probs(logits: torch.Tensor, settings: Settings, n: int) -> tuple[tor
     x, vals, cols = top
     keep_top, _, log_mass = _top_p_on_list(vals, _left_out(x, vals), settings)
     out = vals[..., :n] - log_mass
-    return out if keep_top is None else out.masked_fill(~keep_top[..., :n], float("-inf")), cols[..., :n]
+    return out if keep_top is None else out.where(keep_top[..., :n], float("-inf")), cols[..., :n]
 
 
 def _top_k(logits: torch.Tensor, settings: Settings) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
