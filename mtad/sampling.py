@@ -34,16 +34,22 @@ def log_probs(logits: torch.Tensor, settings: Settings) -> torch.Tensor:
     :func:`warp` already summed rather than by a second pass over every logit. Greedy: the plain log
     softmax at T=1, which is what the paper's rule compares when nothing is sampled.
     """
-    logits = logits.float()
+    logits = _fp32(logits)
     if settings.is_greedy:
         return torch.log_softmax(logits, dim=-1)
     shape = logits.shape
-    flat = logits.reshape(-1, shape[-1])
+    flat = logits if logits.dim() == 2 else logits.reshape(-1, shape[-1])
     kept = _kept(flat, settings)
     if kept is None:
         return torch.log_softmax(warper(settings)(None, flat), dim=-1).reshape(shape)
     x, keep, log_mass = kept
-    return torch.where(keep, x - log_mass, float("-inf")).reshape(shape)
+    out = torch.where(keep, x - log_mass, float("-inf"))
+    return out if logits.dim() == 2 else out.reshape(shape)
+
+
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in fp32, without a dispatch where it already is (the warps run many times an iteration)."""
+    return t if t.dtype == torch.float32 else t.float()
 
 
 def warp(logits: torch.Tensor, settings: Settings) -> torch.Tensor:
@@ -107,7 +113,7 @@ class RowLaws:
 
     def __init__(self, logits: torch.Tensor, settings: Settings) -> None:
         self.settings = settings
-        top = None if settings.is_greedy else _top_k(logits.float(), settings)
+        top = None if settings.is_greedy else _top_k(_fp32(logits), settings)
         self.full = log_probs(logits, settings) if top is None else None  # whole rows: greedy, or no top-k
         if top is not None:
             self.x, self.vals, self.idx = top
@@ -157,7 +163,7 @@ def top_log_probs(logits: torch.Tensor, settings: Settings, n: int) -> tuple[tor
     it left out; top-p keeps a prefix), to rounding: the left-out ties are only counted, in one pass, for
     the mass they hold. None where this does not apply (greedy, top-k off, or ``n`` past top-k): use
     :func:`log_probs`."""
-    top = None if settings.is_greedy or n > settings.top_k else _top_k(logits.float(), settings)
+    top = None if settings.is_greedy or n > settings.top_k else _top_k(_fp32(logits), settings)
     if top is None:
         return None
     x, vals, cols = top
@@ -227,12 +233,13 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     u uniform in [0, 1), so a zero weight is never drawn. ``torch.multinomial`` draws the same law
     but costs far more over a 49k vocabulary on the CPU.
     """
-    flat = probs.reshape(-1, probs.shape[-1])
+    flat = probs if probs.dim() == 2 else probs.reshape(-1, probs.shape[-1])
     cdf = flat.cumsum(dim=-1)
     total = cdf[:, -1:]
-    u = torch.rand(total.shape, generator=generator, device=flat.device, dtype=cdf.dtype) * total
+    u = torch.rand(total.shape, generator=generator, device=flat.device, dtype=cdf.dtype).mul_(total)
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # u * total may round up to total
-    return torch.searchsorted(cdf, u, right=True).reshape(probs.shape[:-1])
+    drawn = torch.searchsorted(cdf, u, right=True)
+    return drawn.view(-1) if probs.dim() == 2 else drawn.reshape(probs.shape[:-1])
 
 
 def make_generator(device: torch.device | str, seed: int) -> torch.Generator:

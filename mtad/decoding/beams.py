@@ -51,14 +51,14 @@ def beam_search(st: DecodeState, lm: CachedLM, g: int, stop_at_eos: bool = False
     that token again at log-probability 0, so its score is the joint log p up to its EOS (``lm`` must have
     no shortlist). ``raw``: also keep each token's unwarped T = 1 log-probability (MTJD's perplexity).
     """
+    if g < 1:
+        raise ValueError(f"a beam search takes at least one step; got {g}")
     width = st.settings.beams
     stochastic = st.settings.draft_mode == "beam-sample"
     dev = st.device
     tokens = st.pending(lm)
     beam_scores = torch.zeros(1, device=dev)
-    hist = torch.empty(1, 0, dtype=torch.long, device=dev)
-    hist_lp = torch.empty(1, 0, device=dev)
-    hist_raw = torch.empty(1, 0, device=dev)
+    steps: list[tuple[torch.Tensor, ...]] = []  # per step: each beam's parent, token, log p (and raw log p)
     parent = torch.zeros(1, dtype=torch.long, device=dev)
     done = torch.zeros(1, dtype=torch.bool, device=dev)
     stop_at_eos = stop_at_eos and bool(st.eos_ids)
@@ -92,11 +92,9 @@ def beam_search(st: DecodeState, lm: CachedLM, g: int, stop_at_eos: bool = False
         lp_x = row_key.take(pick) if top is not None else lp[parent, col]
         tok = st.tokens_of(lm, col)
         beam_scores = joint if top is not None else beam_scores.index_select(0, parent) + lp_x
-        hist = torch.cat([hist.index_select(0, parent), tok[:, None]], dim=1)
-        hist_lp = torch.cat([hist_lp.index_select(0, parent), lp_x[:, None]], dim=1)
-        if raw:
-            raw_x = torch.log_softmax(logits, dim=-1)[parent, col]
-            hist_raw = torch.cat([hist_raw[parent], raw_x[:, None]], dim=1)
+        steps.append(
+            (parent, tok, lp_x, torch.log_softmax(logits, dim=-1)[parent, col]) if raw else (parent, tok, lp_x)
+        )
         if stop_at_eos:
             done = done[parent]
             for e in eos:
@@ -106,7 +104,22 @@ def beam_search(st: DecodeState, lm: CachedLM, g: int, stop_at_eos: bool = False
             tokens = tok[:, None]
     best = beam_scores.argmax()
     lm.cache.select_rows(parent.index_select(0, best.view(1)))
-    return Beams(tokens=hist, token_logp=hist_lp, scores=beam_scores, best=best, token_raw=hist_raw if raw else None)
+    hist = _histories(steps)
+    return Beams(tokens=hist[0], token_logp=hist[1], scores=beam_scores, best=best, token_raw=hist[2] if raw else None)
+
+
+def _histories(steps: list[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
+    """Each final beam's tokens and log p's [W, g] (and raw log p's), followed back through the steps'
+    parents once at the end rather than gathered and extended at every step."""
+    columns: list[list[torch.Tensor]] = [[] for _ in steps[0][1:]]
+    rows = None  # the final beams: each step's own rows at the last step
+    for i in range(len(steps) - 1, -1, -1):
+        parent, *values = steps[i]
+        for column, v in zip(columns, values, strict=True):
+            column.append(v if rows is None else v.index_select(0, rows))
+        if i:
+            rows = parent if rows is None else parent.index_select(0, rows)
+    return [torch.stack(column[::-1], dim=1) for column in columns]
 
 
 def beam_draft(st: DecodeState, g: int) -> Beams:

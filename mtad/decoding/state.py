@@ -286,10 +286,22 @@ class DecodeState:
         return step
 
 
+_F64: dict[torch.device, torch.Tensor] = {}
+
+
+def _empty_f64(device: torch.device) -> torch.Tensor:
+    """An empty float64 tensor on ``device``, made once."""
+    if device not in _F64:
+        _F64[device] = torch.empty(0, dtype=torch.float64, device=device)
+    return _F64[device]
+
+
 def to_host(*tensors: torch.Tensor | None) -> list:
     """Copy several device tensors to Python lists in ONE host sync per iteration."""
-    present = [t for t in tensors if t is not None]
-    flat = torch.cat([t.reshape(-1).double() for t in present]).tolist() if present else []
+    present = [t if t.dim() == 1 else t.reshape(-1) for t in tensors if t is not None]
+    # cat promotes every part to float64 through an empty float64 first part (exact for ids and counts), so
+    # no conversion runs per tensor
+    flat = torch.cat([_empty_f64(present[0].device), *present]).tolist() if present else []
     out, i = [], 0
     for t in tensors:
         if t is None:
