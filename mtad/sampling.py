@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from transformers.generation.logits_process import (
     LogitsProcessorList,
@@ -42,9 +44,13 @@ def log_probs(logits: torch.Tensor, settings: Settings) -> torch.Tensor:
     kept = _kept(flat, settings)
     if kept is None:
         return torch.log_softmax(warper(settings)(None, flat), dim=-1).reshape(shape)
-    x, keep, log_mass = kept
-    out = torch.where(keep, x - log_mass, float("-inf"))
+    out = _normalised(*kept)
     return out if logits.dim() == 2 else out.reshape(shape)
+
+
+def _normalised(x: torch.Tensor, keep: torch.Tensor, log_mass: torch.Tensor) -> torch.Tensor:
+    """The warped law's log p: ``x`` less the log of the kept mass where kept, -inf elsewhere."""
+    return torch.where(keep, x - log_mass, float("-inf"))
 
 
 def _fp32(t: torch.Tensor) -> torch.Tensor:
@@ -73,21 +79,36 @@ def warp(logits: torch.Tensor, settings: Settings) -> torch.Tensor:
 def _kept(logits: torch.Tensor, settings: Settings) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """:func:`warp`'s work on [rows, V] logits: the tempered logits, which of them are kept, and the log of
     their kept mass [rows, 1]; None without top-k."""
+    top = _top_list(logits, settings)
+    if top is None:
+        return None
+    keep = _keep(top.x == top.vals[..., -1:], top.idx, top.keep_top, top.kept_ties)
+    return top.x, keep, top.log_mass
+
+
+class TopList(NamedTuple):
+    """A warped law over [rows, V] in the top-k list's terms (:func:`_top_list`)."""
+
+    x: torch.Tensor  # the tempered logits [rows, V]
+    vals: torch.Tensor  # their top k, largest first [rows, k]
+    idx: torch.Tensor  # where those are [rows, k]
+    high: torch.Tensor  # at or above the k-th logit: the list and the k-th logit's ties [rows, V]
+    keep_top: torch.Tensor | None  # which of the list top-p keeps (None: all, top-p off) [rows, k]
+    kept_ties: torch.Tensor  # how many of the ties the list left out it keeps [rows, 1]
+    log_mass: torch.Tensor  # the log of the kept mass, the law's log-normaliser [rows, 1]
+
+
+def _top_list(logits: torch.Tensor, settings: Settings) -> TopList | None:
+    """Top-k, then top-p on its list and the k-th logit's ties it left out (counted in one pass, since they
+    hold mass): what :func:`log_probs`, :func:`top_log_probs` and :class:`RowLaws` read the law from; None
+    where top-k is off."""
     top = _top_k(logits, settings)
     if top is None:
         return None
-    logits, vals, idx = top
-    keep_top, kept_ties, log_mass = _top_p_on_list(vals, _left_out(logits, vals), settings)
-    return logits, _keep(logits == vals[..., -1:], idx, keep_top, kept_ties), log_mass
-
-
-def _left_out(logits: torch.Tensor, vals: torch.Tensor, at_or_above: torch.Tensor | None = None) -> torch.Tensor:
-    """How many tokens [rows, 1] of ``logits`` tie with the k-th of the top-k list ``vals`` but are not in it:
-    all at or above it (``at_or_above``, if already known), less the k listed (``>=`` counts faster than
-    ``==`` on the CPU)."""
-    if at_or_above is None:
-        at_or_above = logits >= vals[..., -1:]
-    return at_or_above.sum(dim=-1, keepdim=True, dtype=torch.int32) - vals.shape[-1]
+    x, vals, idx = top
+    high = x >= vals[..., -1:]  # counts faster than == on the CPU
+    left_out = high.sum(dim=-1, keepdim=True, dtype=torch.int32) - vals.shape[-1]
+    return TopList(x, vals, idx, high, *_top_p_on_list(vals, left_out, settings))
 
 
 def _keep(
@@ -112,15 +133,8 @@ class RowLaws:
     top-p cut as :func:`log_probs`, so the values are the same, bit for bit."""
 
     def __init__(self, logits: torch.Tensor, settings: Settings) -> None:
-        self.settings = settings
-        top = None if settings.is_greedy else _top_k(_fp32(logits), settings)
-        self.full = log_probs(logits, settings) if top is None else None  # whole rows: greedy, or no top-k
-        if top is not None:
-            self.x, self.vals, self.idx = top
-            self.high = self.x >= self.vals[..., -1:]  # the top-k list and the k-th logit's ties
-            self.keep_top, self.kept_ties, self.log_mass = _top_p_on_list(
-                self.vals, _left_out(self.x, self.vals, self.high), settings
-            )
+        self.top = None if settings.is_greedy else _top_list(_fp32(logits), settings)
+        self.full = log_probs(logits, settings) if self.top is None else None  # whole rows: greedy, or no top-k
 
     def of(self, tokens: torch.Tensor) -> torch.Tensor:
         """log p [g] of ``tokens`` [g], token i under row i (-inf where warping drops it)."""
@@ -128,31 +142,32 @@ class RowLaws:
         col = tokens.view(g, 1)
         if self.full is not None:
             return self.full[:g].gather(1, col)[:, 0]
-        x, kth = self.x[:g], self.vals[:g, -1:]
+        top = self.top
+        x, kth = top.x[:g], top.vals[:g, -1:]
         logit = x.gather(1, col)
-        at = self.idx[:g] == col  # where the token sits in its row's top-k list, if it does
+        at = top.idx[:g] == col  # where the token sits in its row's top-k list, if it does
         listed = at.any(dim=-1, keepdim=True)
         tie = (logit == kth) & ~listed  # a tie of the k-th logit that the list left out
-        if self.keep_top is None:
+        if top.keep_top is None:
             kept = listed | tie
         else:
-            kept = (at & self.keep_top[:g]).any(dim=-1, keepdim=True)
+            kept = (at & top.keep_top[:g]).any(dim=-1, keepdim=True)
             # its rank among the left-out ties, by token id: those up to it at or above the k-th logit, less
             # the listed ones (all at or above it)
             ids = torch.arange(x.shape[-1], device=col.device)
-            upto = (self.high[:g] & (ids <= col)).sum(dim=-1, keepdim=True, dtype=torch.int32)
-            rank = upto - (self.idx[:g] <= col).sum(dim=-1, keepdim=True, dtype=torch.int32)
-            kept = kept | (tie & (rank <= self.kept_ties[:g]))
-        return torch.where(kept, logit - self.log_mass[:g], float("-inf"))[:, 0]
+            upto = (top.high[:g] & (ids <= col)).sum(dim=-1, keepdim=True, dtype=torch.int32)
+            rank = upto - (top.idx[:g] <= col).sum(dim=-1, keepdim=True, dtype=torch.int32)
+            kept = kept | (tie & (rank <= top.kept_ties[:g]))
+        return _normalised(logit, kept, top.log_mass[:g])[:, 0]
 
     def row(self, i: torch.Tensor) -> torch.Tensor:
         """The whole law, log p [V], of row ``i`` (a 1-element tensor: no host read)."""
         if self.full is not None:
             return self.full.index_select(0, i)[0]
         pick_row = lambda t: None if t is None else t.index_select(0, i)  # noqa: E731
-        x, vals = pick_row(self.x), pick_row(self.vals)
-        keep = _keep(x == vals[:, -1:], pick_row(self.idx), pick_row(self.keep_top), pick_row(self.kept_ties))
-        return x.sub(pick_row(self.log_mass)).where(keep, float("-inf"))[0]
+        x, vals, top = pick_row(self.top.x), pick_row(self.top.vals), self.top
+        keep = _keep(x == vals[:, -1:], pick_row(top.idx), pick_row(top.keep_top), pick_row(top.kept_ties))
+        return _normalised(x, keep, pick_row(top.log_mass))[0]
 
 
 def top_log_probs(logits: torch.Tensor, settings: Settings, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -163,13 +178,12 @@ def top_log_probs(logits: torch.Tensor, settings: Settings, n: int) -> tuple[tor
     it left out; top-p keeps a prefix), to rounding: the left-out ties are only counted, in one pass, for
     the mass they hold. None where this does not apply (greedy, top-k off, or ``n`` past top-k): use
     :func:`log_probs`."""
-    top = None if settings.is_greedy or n > settings.top_k else _top_k(_fp32(logits), settings)
+    top = None if settings.is_greedy or n > settings.top_k else _top_list(_fp32(logits), settings)
     if top is None:
         return None
-    x, vals, cols = top
-    keep_top, _, log_mass = _top_p_on_list(vals, _left_out(x, vals), settings)
-    out = vals[..., :n] - log_mass
-    return out if keep_top is None else out.where(keep_top[..., :n], float("-inf")), cols[..., :n]
+    out = top.vals[..., :n] - top.log_mass
+    keep = top.keep_top
+    return out if keep is None else out.where(keep[..., :n], float("-inf")), top.idx[..., :n]
 
 
 def _top_k(logits: torch.Tensor, settings: Settings) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
