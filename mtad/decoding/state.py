@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import time
 from dataclasses import dataclass, field
@@ -286,14 +287,10 @@ class DecodeState:
         return step
 
 
-_F64: dict[torch.device, torch.Tensor] = {}
-
-
+@functools.cache
 def _empty_f64(device: torch.device) -> torch.Tensor:
     """An empty float64 tensor on ``device``, made once."""
-    if device not in _F64:
-        _F64[device] = torch.empty(0, dtype=torch.float64, device=device)
-    return _F64[device]
+    return torch.empty(0, dtype=torch.float64, device=device)
 
 
 def to_host(*tensors: torch.Tensor | None) -> list:
