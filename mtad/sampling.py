@@ -41,16 +41,45 @@ def log_probs(logits: torch.Tensor, settings: Settings) -> torch.Tensor:
         return torch.log_softmax(logits, dim=-1)
     shape = logits.shape
     flat = logits if logits.dim() == 2 else logits.reshape(-1, shape[-1])
-    kept = _kept(flat, settings)
-    if kept is None:
+    top = _top_list(flat, settings)
+    if top is None:
         return torch.log_softmax(warper(settings)(None, flat), dim=-1).reshape(shape)
-    out = _normalised(*kept)
+    out = _law(top.x, top.vals, top.idx, top.keep_top, top.kept_ties, top.log_mass)
     return out if logits.dim() == 2 else out.reshape(shape)
 
 
-def _normalised(x: torch.Tensor, keep: torch.Tensor, log_mass: torch.Tensor) -> torch.Tensor:
-    """The warped law's log p: ``x`` less the log of the kept mass where kept, -inf elsewhere."""
-    return torch.where(keep, x - log_mass, float("-inf"))
+def _law(
+    x: torch.Tensor,
+    vals: torch.Tensor,
+    idx: torch.Tensor,
+    keep_top: torch.Tensor | None,
+    kept_ties: torch.Tensor,
+    log_mass: torch.Tensor | None = None,
+    at: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The warped law over whole rows [rows, V] from its top list (:class:`TopList`'s fields): ``x`` less
+    ``log_mass`` (log p; None: the kept logits themselves) where a token is kept, -inf elsewhere. ``at``:
+    the rows of ``x`` the list describes (None: all of them).
+
+    Where no row keeps a tie of the k-th logit that ``topk`` left out (most rows: top-p cuts inside the
+    list) the law lives on the list alone, and is written into a row of -inf: one pass over the row
+    instead of six. Knowing that needs a host read, free on the CPU only; on a GPU the general path runs,
+    so the decoders' one read an iteration stays one."""
+    if _none_on_cpu(kept_ties):
+        listed = vals if log_mass is None else vals - log_mass  # x's own values at idx: the same bits
+        if keep_top is not None:
+            listed = listed.where(keep_top, float("-inf"))
+        return x.new_full((vals.shape[0], x.shape[-1]), float("-inf")).scatter_(-1, idx, listed)
+    if at is not None:
+        x = x.index_select(0, at)
+    keep = _keep(x == vals[..., -1:], idx, keep_top, kept_ties)
+    return torch.where(keep, x if log_mass is None else x - log_mass, float("-inf"))
+
+
+def _none_on_cpu(t: torch.Tensor) -> bool:
+    """Whether ``t`` is all zero (False) where reading that is free: on the CPU. On a GPU the read would
+    wait for the device, so there the answer is always False and the caller takes its general path."""
+    return t.device.type == "cpu" and not t.any()
 
 
 def _fp32(t: torch.Tensor) -> torch.Tensor:
@@ -69,21 +98,10 @@ def warp(logits: torch.Tensor, settings: Settings) -> torch.Tensor:
     id, and top-p keeps as many of them as its mass rule allows; all without a host read, so the
     decoders' one read per iteration stays one. Without top-k, transformers' warpers run as they are.
     """
-    kept = _kept(logits, settings)
-    if kept is None:
-        return warper(settings)(None, logits)
-    x, keep, _ = kept
-    return x.where(keep, float("-inf"))
-
-
-def _kept(logits: torch.Tensor, settings: Settings) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """:func:`warp`'s work on [rows, V] logits: the tempered logits, which of them are kept, and the log of
-    their kept mass [rows, 1]; None without top-k."""
     top = _top_list(logits, settings)
     if top is None:
-        return None
-    keep = _keep(top.x == top.vals[..., -1:], top.idx, top.keep_top, top.kept_ties)
-    return top.x, keep, top.log_mass
+        return warper(settings)(None, logits)
+    return _law(top.x, top.vals, top.idx, top.keep_top, top.kept_ties)
 
 
 class TopList(NamedTuple):
@@ -152,22 +170,24 @@ class RowLaws:
             kept = listed | tie
         else:
             kept = (at & top.keep_top[:g]).any(dim=-1, keepdim=True)
-            # its rank among the left-out ties, by token id: those up to it at or above the k-th logit, less
-            # the listed ones (all at or above it)
-            ids = torch.arange(x.shape[-1], device=col.device)
-            upto = (top.high[:g] & (ids <= col)).sum(dim=-1, keepdim=True, dtype=torch.int32)
-            rank = upto - (top.idx[:g] <= col).sum(dim=-1, keepdim=True, dtype=torch.int32)
-            kept = kept | (tie & (rank <= top.kept_ties[:g]))
-        return _normalised(logit, kept, top.log_mass[:g])[:, 0]
+            tie = tie & (top.kept_ties[:g] > 0)  # a left-out tie in a row that keeps some of them
+            if not _none_on_cpu(tie):  # (rare: the passes over the rows below are skipped where that is known)
+                # its rank among the left-out ties, by token id: those up to it at or above the k-th logit,
+                # less the listed ones (all at or above it)
+                ids = torch.arange(x.shape[-1], device=col.device)
+                upto = (top.high[:g] & (ids <= col)).sum(dim=-1, keepdim=True, dtype=torch.int32)
+                rank = upto - (top.idx[:g] <= col).sum(dim=-1, keepdim=True, dtype=torch.int32)
+                kept = kept | (tie & (rank <= top.kept_ties[:g]))
+        return torch.where(kept, logit - top.log_mass[:g], float("-inf"))[:, 0]
 
     def row(self, i: torch.Tensor) -> torch.Tensor:
         """The whole law, log p [V], of row ``i`` (a 1-element tensor: no host read)."""
         if self.full is not None:
             return self.full.index_select(0, i)[0]
         pick_row = lambda t: None if t is None else t.index_select(0, i)  # noqa: E731
-        x, vals, top = pick_row(self.top.x), pick_row(self.top.vals), self.top
-        keep = _keep(x == vals[:, -1:], pick_row(top.idx), pick_row(top.keep_top), pick_row(top.kept_ties))
-        return _normalised(x, keep, pick_row(top.log_mass))[0]
+        top = self.top
+        fields = (top.vals, top.idx, top.keep_top, top.kept_ties, top.log_mass)
+        return _law(top.x, *map(pick_row, fields), at=i)[0]
 
 
 def top_log_probs(logits: torch.Tensor, settings: Settings, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
