@@ -231,3 +231,30 @@ def test_row_laws_judge_a_shorter_draft_by_its_own_rows() -> None:
     draft = torch.tensor([3, 7, 1, 30])
     full = log_probs(logits, s)
     assert torch.equal(RowLaws(logits, s).of(draft), full[:4].gather(1, draft[:, None])[:, 0])
+
+
+@pytest.mark.parametrize(("top_k", "top_p"), [(20, 0.9), (20, 1.0), (5, 0.5)])
+def test_the_cpu_shortcut_and_the_general_path_give_the_same_bits(
+    top_k: int, top_p: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the CPU a law whose rows keep no left-out tie is written from its top-k list (a host read decides);
+    a GPU always takes the general path. Both give the same bits, rows with and without kept ties alike."""
+    s = Settings(top_k=top_k, top_p=top_p)
+    g = torch.Generator().manual_seed(9)
+    cases = [torch.randn(1, 300, generator=g) * 3, (torch.randn(1, 300, generator=g) * 3).bfloat16().float()]
+    cases += [torch.randint(0, 6, (4, 300), generator=g).float() / 2]  # rows that keep ties
+    shortcut_taken = 0
+    for logits in cases:
+        tokens = torch.arange(logits.shape[0]) * 7
+        fast = log_probs(logits, s), warp(logits, s), RowLaws(logits, s)
+        shortcut_taken += int(not RowLaws(logits, s).top.kept_ties.any())
+        with monkeypatch.context() as m:
+            m.setattr("mtad.sampling._none_on_cpu", lambda t: False)
+            general = log_probs(logits, s), warp(logits, s), RowLaws(logits, s)
+            general_rows = [general[2].row(torch.tensor([i])) for i in range(logits.shape[0])]
+            general_of = general[2].of(tokens)
+        assert torch.equal(fast[0], general[0]) and torch.equal(fast[1], general[1])
+        assert torch.equal(fast[2].of(tokens), general_of)
+        for i, row in enumerate(general_rows):
+            assert torch.equal(fast[2].row(torch.tensor([i])), row)
+    assert shortcut_taken >= 1
