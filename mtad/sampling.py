@@ -110,23 +110,30 @@ class TopList(NamedTuple):
     x: torch.Tensor  # the tempered logits [rows, V]
     vals: torch.Tensor  # their top k, largest first [rows, k]
     idx: torch.Tensor  # where those are [rows, k]
-    high: torch.Tensor  # at or above the k-th logit: the list and the k-th logit's ties [rows, V]
     keep_top: torch.Tensor | None  # which of the list top-p keeps (None: all, top-p off) [rows, k]
     kept_ties: torch.Tensor  # how many of the ties the list left out it keeps [rows, 1]
     log_mass: torch.Tensor  # the log of the kept mass, the law's log-normaliser [rows, 1]
 
 
 def _top_list(logits: torch.Tensor, settings: Settings) -> TopList | None:
-    """Top-k, then top-p on its list and the k-th logit's ties it left out (counted in one pass, since they
-    hold mass): what :func:`log_probs`, :func:`top_log_probs` and :class:`RowLaws` read the law from; None
-    where top-k is off."""
-    top = _top_k(logits, settings)
-    if top is None:
+    """Top-k, then top-p on its list and the k-th logit's ties it left out (they hold mass): what
+    :func:`log_probs`, :func:`top_log_probs` and :class:`RowLaws` read the law from; None where top-k is off.
+
+    ``topk`` takes one value more than the list: where it is below the k-th in every row, no tie was left
+    out. Knowing that is a host read, free on the CPU, where it spares counting the ties over whole rows
+    (two passes as long as the top-k itself); elsewhere, and in a row with such a tie, they are counted."""
+    if not 0 < settings.top_k < logits.shape[-1]:
         return None
-    x, vals, idx = top
-    high = x >= vals[..., -1:]  # counts faster than == on the CPU
-    left_out = high.sum(dim=-1, keepdim=True, dtype=torch.int32) - vals.shape[-1]
-    return TopList(x, vals, idx, high, *_top_p_on_list(vals, left_out, settings))
+    x = logits if settings.temperature == 1.0 else logits / settings.temperature
+    k = settings.top_k
+    vals, idx = x.topk(k + 1, dim=-1)
+    vals, idx, beyond = vals[..., :k], idx[..., :k], vals[..., k:]
+    kth = vals[..., -1:]
+    if _none_on_cpu(beyond == kth):
+        left_out = torch.zeros_like(kth, dtype=torch.int32)
+    else:  # >= counts faster than == on the CPU
+        left_out = (x >= kth).sum(dim=-1, keepdim=True, dtype=torch.int32) - k
+    return TopList(x, vals, idx, *_top_p_on_list(vals, left_out, settings))
 
 
 def _keep(
@@ -175,7 +182,7 @@ class RowLaws:
                 # its rank among the left-out ties, by token id: those up to it at or above the k-th logit,
                 # less the listed ones (all at or above it)
                 ids = torch.arange(x.shape[-1], device=col.device)
-                upto = (top.high[:g] & (ids <= col)).sum(dim=-1, keepdim=True, dtype=torch.int32)
+                upto = ((x >= kth) & (ids <= col)).sum(dim=-1, keepdim=True, dtype=torch.int32)
                 rank = upto - (top.idx[:g] <= col).sum(dim=-1, keepdim=True, dtype=torch.int32)
                 kept = kept | (tie & (rank <= top.kept_ties[:g]))
         return torch.where(kept, logit - top.log_mass[:g], float("-inf"))[:, 0]
@@ -204,17 +211,6 @@ def top_log_probs(logits: torch.Tensor, settings: Settings, n: int) -> tuple[tor
     out = top.vals[..., :n] - top.log_mass
     keep = top.keep_top
     return out if keep is None else out.where(keep[..., :n], float("-inf")), top.idx[..., :n]
-
-
-def _top_k(logits: torch.Tensor, settings: Settings) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """The tempered logits [rows, V] and their top-k values and indices, sorted, largest first, where top-k
-    is on (0 < k < V); None where it is not."""
-    if not 0 < settings.top_k < logits.shape[-1]:
-        return None
-    if settings.temperature != 1.0:
-        logits = logits / settings.temperature
-    vals, idx = logits.topk(settings.top_k, dim=-1)
-    return logits, vals, idx
 
 
 def _top_p_on_list(
