@@ -65,6 +65,22 @@ def test_warp_equals_transformers_on_bf16_ties(top_k: int, top_p: float) -> None
         assert torch.equal(torch.isfinite(ours), torch.isfinite(theirs))
 
 
+@pytest.mark.parametrize(("top_k", "top_p"), [(20, 1.0), (20, 0.87), (5, 0.53)])
+def test_many_left_out_ties_count_in_the_law(top_k: int, top_p: float) -> None:
+    """Dozens of tokens tie at the k-th logit, more than top-k's one ``topk`` call looks past its list: the
+    law's kept mass counts them all, as transformers' warpers do (a coarse grid of logits; top-p off the
+    multiples of 1/60 where a cut would fall exactly on a boundary and rounding decides)."""
+    logits = torch.randint(0, 6, (8, 300), generator=torch.Generator().manual_seed(3)).float() / 2
+    kth = logits.topk(top_k, dim=-1).values[:, -1:]
+    assert ((logits == kth).sum(dim=-1) > top_k + 20).all()  # the case this test is about
+    s = Settings(top_k=top_k, top_p=top_p)
+    theirs = torch.log_softmax(warper(s)(None, logits.clone()), dim=-1)
+    ours = log_probs(logits, s)
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.equal(torch.isfinite(a).sum(), torch.isfinite(b).sum())
+        torch.testing.assert_close(a[torch.isfinite(a)].sort().values, b[torch.isfinite(b)].sort().values)
+
+
 def test_top_p_boundary_with_exact_ties() -> None:
     """Four equal survivors (probability 1/4 each, exact in floating point) and top-p 0.5: the mass
     ranked above the third is exactly 0.5, so it is dropped, as transformers drops it; two stay."""
