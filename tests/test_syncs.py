@@ -34,8 +34,10 @@ class _ScalarReads(TorchDispatchMode):
 
 @contextmanager
 def host_reads(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
-    """A Counter of host reads inside the block (by kind)."""
+    """A Counter of host reads inside the block (by kind), with the warps' CPU-only reads off as on a GPU
+    (``mtad.sampling._none_on_cpu``: a read that is free on the CPU skips a rare branch there)."""
     counts: Counter = Counter()
+    monkeypatch.setattr("mtad.sampling._none_on_cpu", lambda t: False)
     for name in ("tolist", "cpu", "numpy"):
         real = getattr(torch.Tensor, name)
 
@@ -64,6 +66,15 @@ def test_the_counter_sees_every_kind_of_host_read(monkeypatch: pytest.MonkeyPatc
         x.tolist()
         x.index_select(0, i.view(1))  # device-side: no read
     assert counts == Counter(scalar=4, tolist=1)
+
+
+def test_the_warps_read_the_host_only_on_the_cpu() -> None:
+    """The warps' own reads (which branch a law needs) happen on the CPU only: a tensor elsewhere (here
+    on the meta device, which cannot be read at all) always takes the general path."""
+    from mtad.sampling import _none_on_cpu
+
+    assert _none_on_cpu(torch.zeros(3)) and not _none_on_cpu(torch.ones(3))
+    assert not _none_on_cpu(torch.zeros(3, device="meta"))
 
 
 @pytest.mark.parametrize("method", ["ar", "sd", "mtad", "mtjd"])
