@@ -95,8 +95,9 @@ def warp(logits: torch.Tensor, settings: Settings) -> torch.Tensor:
     Like ``TopKLogitsWarper``, every token tied with the k-th logit survives
     top-k: bf16 logits tie there often, and ``topk`` alone would
     keep an arbitrary k of them. Those extra ties rank after the top k, among themselves by token
-    id, and top-p keeps as many of them as its mass rule allows; all without a host read, so the
-    decoders' one read per iteration stays one. Without top-k, transformers' warpers run as they are.
+    id, and top-p keeps as many of them as its mass rule allows; on a GPU all without a host read, so the
+    decoders' one read per iteration stays one (on the CPU, where a read is free, :func:`_none_on_cpu`
+    skips the ties' work where there is none). Without top-k, transformers' warpers run as they are.
     """
     top = _top_list(logits, settings)
     if top is None:
@@ -113,6 +114,11 @@ class TopList(NamedTuple):
     keep_top: torch.Tensor | None  # which of the list top-p keeps (None: all, top-p off) [rows, k]
     kept_ties: torch.Tensor  # how many of the ties the list left out it keeps [rows, 1]
     log_mass: torch.Tensor  # the log of the kept mass, the law's log-normaliser [rows, 1]
+
+
+TIES_SEEN = 16
+"""How many ties of the k-th logit that top-k's list leaves out :func:`_top_list` can count from one ``topk``
+(bf16 logits of a 49,152-token vocabulary had at most 7 in 2,000 random rows)."""
 
 
 def _top_list(logits: torch.Tensor, settings: Settings) -> TopList | None:
@@ -136,11 +142,6 @@ def _top_list(logits: torch.Tensor, settings: Settings) -> TopList | None:
     else:  # >= counts faster than == on the CPU
         left_out = (x >= kth).sum(dim=-1, keepdim=True, dtype=torch.int32) - k
     return TopList(x, vals, idx, *_top_p_on_list(vals, left_out, settings))
-
-
-TIES_SEEN = 16
-"""How many ties of the k-th logit that top-k's list leaves out :func:`_top_list` can count from one ``topk``
-(bf16 logits of a 49,152-token vocabulary had at most 7 in 2,000 random rows)."""
 
 
 def _keep(
@@ -209,8 +210,8 @@ def top_log_probs(logits: torch.Tensor, settings: Settings, n: int) -> tuple[tor
     under it (-inf where top-p drops them), without the whole rows' law: what a beam step needs.
 
     The same law as :func:`log_probs` (the top-k list in ``topk``'s order, then the ties of the k-th logit
-    it left out; top-p keeps a prefix), to rounding: the left-out ties are only counted, in one pass, for
-    the mass they hold. None where this does not apply (greedy, top-k off, or ``n`` past top-k): use
+    it left out; top-p keeps a prefix), to rounding: the left-out ties are only counted, for the mass they
+    hold. None where this does not apply (greedy, top-k off, or ``n`` past top-k): use
     :func:`log_probs`."""
     top = None if settings.is_greedy or n > settings.top_k else _top_list(_fp32(logits), settings)
     if top is None:
