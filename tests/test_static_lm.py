@@ -20,7 +20,7 @@ from mtad.decoding.state import CachedLM, DecodeState, draft_lm
 from mtad.decoding.static_lm import StaticLM
 from mtad.models.errors import PairError
 from mtad.models.kernels import candidates, use_linear_kernel
-from mtad.models.static_llama import _attention, resolve_engine, supports
+from mtad.models.static_llama import _attention, layers_per_call, resolve_engine, supports
 from mtad.settings import PARAMS, Settings
 
 
@@ -48,6 +48,22 @@ def test_static_forward_equals_a_full_recompute_after_rollbacks(tiny_pair) -> No
     logits = lm.feed(torch.tensor([other]), keep=1)[0, -1]
     torch.testing.assert_close(logits, full_logits(tiny_pair.target, ids[:5] + other), rtol=1e-5, atol=1e-5)
     assert lm.length == 9
+
+
+@pytest.mark.parametrize("most", [1, 6])
+def test_layers_run_compiled_in_equal_calls(monkeypatch: pytest.MonkeyPatch, tiny_pair, most: int) -> None:
+    """A model's layers run in compiled calls of the largest divisor of their count up to a bound (SmolLM2's
+    30 in five calls of six); the tiny target's two layers in two calls or in one give the full recompute's
+    logits."""
+    assert [layers_per_call(n) for n in (30, 2, 6, 7, 8, 1)] == [6, 2, 6, 1, 4, 1]
+    monkeypatch.setattr("mtad.models.static_llama.MOST_LAYERS_PER_CALL", most)
+    assert layers_per_call(2) == min(most, 2)
+    ids = tiny_pair.encode("abc def gh abba cafe")
+    lm = StaticLM(tiny_pair.target, tiny_pair.vocab_size)
+    lm.feed(torch.tensor([ids[:-3]]))
+    for i in range(len(ids) - 3, len(ids)):
+        expected = full_logits(tiny_pair.target, ids[: i + 1])
+        torch.testing.assert_close(lm.feed(torch.tensor([[ids[i]]]))[0, -1], expected, rtol=1e-4, atol=1e-4)
 
 
 def test_capacity_grows_without_losing_the_context(tiny_pair) -> None:
