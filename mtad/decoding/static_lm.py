@@ -151,13 +151,18 @@ class StaticKV:
             start = shared  # rows move within the set: the shared positions are already there
         else:
             start = min(self._synced.get(rows, 0), shared)
-        spans = [t.narrow(2, start, n - start) for t in self.tensors()] if n > start else []
+
+        def window() -> list[torch.Tensor]:
+            """Positions ``start`` … ``n`` of every buffer of the current set (none when there are none)."""
+            return [t.narrow(2, start, n - start) for t in self.tensors()] if n > start else []
+
+        spans = window()
         picked = [t.index_select(0, index) for t in spans]
         if rows != self.rows or capacity != self.capacity:
             if self.keys:
                 self._synced[self.rows] = shared
             self._allocate(rows, capacity)
-            spans = [t.narrow(2, start, n - start) for t in self.tensors()] if picked else []
+            spans = window()  # the new set's
         if picked:  # one dispatch for every layer's copy
             torch._foreach_copy_(spans, picked)
         if rows == 1 or copies:  # one row, or copies of one row
