@@ -401,6 +401,67 @@ def test_both_product_layouts_compiled_equal_a_full_recompute(tiny_pair, kernel:
     torch.testing.assert_close(eager, full_logits(tiny_pair.target, ids), rtol=1e-4, atol=1e-4)
 
 
+def products_run(lm: StaticLM, tokens: list[list[int]], keep: int = 1) -> tuple[torch.Tensor, set[str]]:
+    """``lm.feed(tokens)``'s logits and which of the engine's product operators ran in it."""
+    ours = {"mtad::packed_linear", "mtad::int8_linear", "aten::mm", "aten::addmm", "aten::linear"}
+    with torch.profiler.profile() as prof:
+        logits = lm.feed(torch.tensor(tokens), keep=keep)
+    return logits, {e.name for e in prof.events()} & ours
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_one_row_one_token_forward_streams_each_matrix_inside_the_compiled_graph(
+    monkeypatch: pytest.MonkeyPatch, tiny_pair, dtype: torch.dtype
+) -> None:
+    """One token in one row (AR's step, SD's drafting) multiplies by the layers' own matrices as reductions
+    inductor generates, no product operator called, and gives the full recompute's logits (fp32) or the
+    packed products' to bf16 rounding; a block and several rows keep oneDNN's packed products."""
+    if "onednn" not in candidates(dtype):
+        pytest.skip("needs PyTorch's oneDNN (mkldnn) build")
+    monkeypatch.setattr("mtad.models.static_llama.gemv_dtypes", lambda: frozenset({torch.float32, torch.bfloat16}))
+    model = copy.deepcopy(tiny_pair.target).to(dtype)
+    use_linear_kernel(model, "onednn")
+    ids = tiny_pair.encode("abc def gh abba cafe")
+    lm, packed = StaticLM(model, tiny_pair.vocab_size), StaticLM(model, tiny_pair.vocab_size)
+    packed.one_token = None
+    assert {form for _, form, _ in lm.one_token} == {"gemv"}
+    assert lm.one_token[0][0][2] is model.model.layers[0].self_attn.q_proj.weight  # the layer's own, no copy
+    lm.feed(torch.tensor([ids[:-6]])), packed.feed(torch.tensor([ids[:-6]]))
+    for i in range(len(ids) - 6, len(ids) - 3):
+        one, ran = products_run(lm, [[ids[i]]])
+        assert not ran, ran
+        if dtype == torch.float32:
+            torch.testing.assert_close(one[0, -1], full_logits(tiny_pair.target, ids[: i + 1]), rtol=1e-4, atol=1e-4)
+        else:
+            torch.testing.assert_close(one, packed.feed(torch.tensor([[ids[i]]])), rtol=2e-2, atol=5e-2)
+    lm.rollback(len(ids) - 5)
+    block, ran = products_run(lm, [ids[-5:-1]], keep=4)
+    assert ran == {"mtad::packed_linear"}
+    lm.cache.fan_out(2)
+    _, ran = products_run(lm, [[ids[-1]], [ids[-2]]])
+    assert ran == {"mtad::packed_linear"}
+
+
+def test_which_one_token_forwards_take_the_gemv_form(monkeypatch: pytest.MonkeyPatch, micro_int8_pair) -> None:  # noqa: F811
+    """fp32 everywhere and bf16 where the CPU has AVX512-BF16 without AMX (what was measured faster); an int8
+    layer keeps its int8 or dequantised products."""
+    from mtad.models import static_llama
+
+    for flags, dtypes in (
+        (set(), {torch.float32}),
+        ({"avx2", "avx512_bf16"}, {torch.float32, torch.bfloat16}),
+        ({"avx512_bf16", "amx_bf16", "amx_tile"}, {torch.float32}),
+    ):
+        monkeypatch.setattr(static_llama, "cpu_flags", lambda flags=flags: flags)
+        static_llama.gemv_dtypes.cache_clear()
+        assert static_llama.gemv_dtypes() == dtypes
+    monkeypatch.undo()
+    static_llama.gemv_dtypes.cache_clear()  # this CPU's own answer again
+    draft = micro_int8_pair.draft
+    assert static_llama.gemv_layer_weights(draft.model.layers[0]) is None
+    assert StaticLM(draft, micro_int8_pair.vocab_size).one_token is None  # fp32 int8: the dequantised products
+
+
 @pytest.mark.parametrize("kernel", ["mkl", "onednn"])
 def test_an_int8_shortlist_draft_on_the_compiled_engine_equals_its_eager_forward(
     micro_int8_pair,  # noqa: F811

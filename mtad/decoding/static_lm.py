@@ -24,7 +24,14 @@ import torch._dynamo
 from mtad.decoding.graphs import ForwardGraphs, graphs_enabled
 from mtad.models.devices import to_device
 from mtad.models.pair import ModelPair
-from mtad.models.static_llama import FEW_QUERIES, int8_layer_weights, layer_weights, llama_forward, supports
+from mtad.models.static_llama import (
+    FEW_QUERIES,
+    gemv_layer_weights,
+    int8_layer_weights,
+    layer_weights,
+    llama_forward,
+    supports,
+)
 
 COMPILED_TOKENS = FEW_QUERIES
 COMPILED_ROWS = 16
@@ -210,9 +217,11 @@ class StaticLM:
         self.columns: torch.Tensor | None = getattr(model, "columns", None)
         self.compile = compile  # False: the same forward, uncompiled (what a prefill runs)
         self.layers = [layer_weights(layer) for layer in model.model.layers]
+        # a one-token, one-row forward multiplies by its own kernels: an int8 draft's in bf16 the int8 kernel,
+        # as on the eager engine; a plain model's in fp32 (and bf16 where measured faster) inductor's reductions
         int8 = [int8_layer_weights(layer) for layer in model.model.layers]
-        # a one-token, one-row forward of an int8 draft in bf16 multiplies with the int8 kernel, as on the eager engine
-        self.one_token: list | None = int8 if all(int8) else None
+        gemv = [gemv_layer_weights(layer) for layer in model.model.layers]
+        self.one_token: list | None = int8 if all(int8) else gemv if all(gemv) else None
 
     @property
     def length(self) -> int:

@@ -58,17 +58,21 @@ def configure_cpu_threads() -> int:
     return torch.get_num_threads()
 
 
-def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
-    """True when the CPU computes bf16 natively (AMX-BF16 or AVX512-BF16), where it is no slower than fp32."""
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
+    """The CPU's instruction-set flags, lower case (``avx512_bf16``, ``amx_bf16``, …): PyTorch's own
+    reading where it has one, else ``/proc/cpuinfo``'s (empty where neither says)."""
     caps = getattr(torch.cpu, "get_capabilities", None)
     if caps is not None:
-        found = caps()
-        return bool(found.get("amx_bf16") or found.get("avx512_bf16"))
+        return {name for name, present in caps().items() if present is True}
     try:
-        flags = set(cpuinfo.read_text().split())
+        return set(cpuinfo.read_text().split())
     except OSError:
-        return False
-    return bool(flags & {"amx_bf16", "avx512_bf16"})
+        return set()
+
+
+def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """True when the CPU computes bf16 natively (AMX-BF16 or AVX512-BF16), where it is no slower than fp32."""
+    return bool(cpu_flags(cpuinfo) & {"amx_bf16", "avx512_bf16"})
 
 
 def auto_dtype(device: torch.device) -> torch.dtype:

@@ -10,6 +10,7 @@ so inductor prepacks them for its own CPU kernels.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 
@@ -18,6 +19,7 @@ import torch._dynamo
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 from torch.nn import functional as F
 
+from mtad.models.devices import cpu_flags
 from mtad.models.errors import PairError
 
 ENGINES = ("eager", "compiled")
@@ -113,8 +115,8 @@ one-row bf16 forward multiplies with on either engine (:class:`mtad.models.short
 
 LayerWeights = tuple[tuple[torch.Tensor, ...], str, tuple[int, ...]]
 """A decoder layer as :func:`decoder_layer` takes it: its tensors, the form of its products (``plain``,
-``packed`` or ``int8``, :func:`layer_weights`), and the output width of each of q, k, v, o, gate, up and
-down."""
+``packed``, ``int8`` or ``gemv``: :func:`layer_weights`, :func:`int8_layer_weights`,
+:func:`gemv_layer_weights`), and the output width of each of q, k, v, o, gate, up and down."""
 
 
 def head(model: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
@@ -156,6 +158,33 @@ def layer_weights(layer: torch.nn.Module) -> LayerWeights:
                 lin._packed = None
         kept = layer.__dict__["_mtad_fused"] = (stamp, packed)
     return (*norms, *kept[1]), "packed", widths
+
+
+@functools.cache
+def gemv_dtypes() -> frozenset[torch.dtype]:
+    """The dtypes whose one-row, one-token CPU forwards take the ``gemv`` form (:func:`gemv_layer_weights`),
+    from measurements: fp32 everywhere (a SmolLM2-135M forward 14-17 % faster than with oneDNN's packed
+    products on Zen 4, with AVX-512 and with AVX2 emulated) and bf16 where the CPU has AVX512-BF16 but not
+    AMX (17 % faster on that Zen 4, as close to fp32's logits; unmeasured on AMX, whose bf16 products the
+    engine leaves to oneDNN and inductor's own lowering). Journal: 2026-11-26 evening."""
+    flags = cpu_flags()
+    if "avx512_bf16" in flags and "amx_bf16" not in flags:
+        return frozenset({torch.float32, torch.bfloat16})
+    return frozenset({torch.float32})
+
+
+def gemv_layer_weights(layer: torch.nn.Module) -> LayerWeights | None:
+    """A layer's tensors for a one-row, one-token CPU forward in the ``gemv`` form: the two norms, then the
+    layer's own q, k, v, o, gate, up and down matrices (no copy). Compiled, each product is a reduction
+    inductor generates (:func:`_gemv`), which streams the matrix once with no call into a library. None
+    for dtypes outside :func:`gemv_dtypes`, other devices, and int8 layers (inductor's int8-to-fp32 reduction
+    ran 13x slower than the fp32 one)."""
+    linears, norms = _parts(layer)
+    if norms[0].dtype not in gemv_dtypes() or norms[0].device.type != "cpu":
+        return None
+    if any(hasattr(lin, "qweight") for lin in linears):
+        return None
+    return (*norms, *(lin.weight for lin in linears)), "gemv", tuple(lin.out_features for lin in linears)
 
 
 def int8_layer_weights(layer: torch.nn.Module) -> LayerWeights | None:
@@ -211,6 +240,7 @@ def decoder_layer(
     q_n, k_n, v_n, o_n, g_n, u_n, d_n = widths
     rows, n, _ = h.shape
     mats = weights[2:]
+    fused = form in ("packed", "int8")  # q, k and v in one product, gate and up in one
 
     def product(x: torch.Tensor, i: int, width: int) -> torch.Tensor:
         """The i-th product of the fused forms: q, k and v; o; gate and up; down (see layer_weights)."""
@@ -218,12 +248,15 @@ def decoder_layer(
             return int8_linear(x, mats[2 * i], mats[2 * i + 1], width)
         return packed_linear(x, mats[i], width)
 
+    def separate(x: torch.Tensor, j: int) -> torch.Tensor:
+        """The j-th of q, k, v, o, gate, up and down in the plain and gemv forms."""
+        return F.linear(x, mats[j]) if form == "plain" else _gemv(x, mats[j])
+
     x = _rms_norm(h, weights[0], eps)
-    if form == "plain":
-        q_w, k_w, v_w, o_w, g_w, u_w, d_w = mats
-        q, k, v = F.linear(x, q_w), F.linear(x, k_w), F.linear(x, v_w)
-    else:  # q, k and v in one product, gate and up in one
+    if fused:
         q, k, v = product(x, 0, q_n + k_n + v_n).split([q_n, k_n, v_n], dim=-1)
+    else:
+        q, k, v = separate(x, 0), separate(x, 1), separate(x, 2)
     q = q.reshape(rows, n, -1, head_dim).transpose(1, 2)
     k = k.reshape(rows, n, -1, head_dim).transpose(1, 2)
     v = v.reshape(rows, n, -1, head_dim).transpose(1, 2)
@@ -231,10 +264,10 @@ def decoder_layer(
     k_buf.index_copy_(2, slots, k)
     v_buf.index_copy_(2, slots, v)
     o = _attention(q, k_buf, v_buf, mask, scaling).transpose(1, 2).reshape(rows, n, -1)
-    h = h + (F.linear(o, o_w) if form == "plain" else product(o, 1, o_n))
+    h = h + (product(o, 1, o_n) if fused else separate(o, 3))
     x = _rms_norm(h, weights[1], eps)
-    if form == "plain":
-        return h + F.linear(F.silu(F.linear(x, g_w)) * F.linear(x, u_w), d_w)
+    if not fused:
+        return h + separate(F.silu(separate(x, 4)) * separate(x, 5), 6)
     gate, up = product(x, 2, g_n + u_n).split([g_n, u_n], dim=-1)
     return h + product(F.silu(gate) * up, 3, d_n)
 
@@ -263,6 +296,14 @@ def _attention(
     scores = scores.view(rows, kv_heads, groups, n, span).masked_fill(~mask, float("-inf"))
     weights = torch.softmax(scores, dim=-1).to(q.dtype).view(rows, kv_heads, groups * n, span)
     return torch.matmul(weights, v_buf[:, :, :span]).view(rows, heads, n, d)
+
+
+def _gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` for one row. Compiled: a product and a sum that inductor fuses into one reduction
+    over each row of ``weight``; uncompiled (a first token, before any cache): ``F.linear``."""
+    if torch.compiler.is_compiling():
+        return (x.unsqueeze(-2) * weight).sum(-1)
+    return F.linear(x, weight)
 
 
 def _rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
