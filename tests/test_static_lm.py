@@ -403,7 +403,8 @@ def test_both_product_layouts_compiled_equal_a_full_recompute(tiny_pair, kernel:
 
 def products_run(lm: StaticLM, tokens: list[list[int]], keep: int = 1) -> tuple[torch.Tensor, set[str]]:
     """``lm.feed(tokens)``'s logits and which of the engine's product operators ran in it."""
-    ours = {"mtad::packed_linear", "mtad::int8_linear", "aten::mm", "aten::addmm", "aten::linear"}
+    ours = {"mtad::packed_linear", "mtad::int8_linear", "mkldnn::_linear_pointwise", "aten::mm", "aten::addmm"}
+    ours |= {"aten::linear", "aten::matmul", "aten::bmm"}
     with torch.profiler.profile() as prof:
         logits = lm.feed(torch.tensor(tokens), keep=keep)
     return logits, {e.name for e in prof.events()} & ours
@@ -413,9 +414,10 @@ def products_run(lm: StaticLM, tokens: list[list[int]], keep: int = 1) -> tuple[
 def test_a_one_row_one_token_forward_streams_each_matrix_inside_the_compiled_graph(
     monkeypatch: pytest.MonkeyPatch, tiny_pair, dtype: torch.dtype
 ) -> None:
-    """One token in one row (AR's step, SD's drafting) multiplies by the layers' own matrices as reductions
-    inductor generates, no product operator called, and gives the full recompute's logits (fp32) or the
-    packed products' to bf16 rounding; a block and several rows keep oneDNN's packed products."""
+    """One token in one row (AR's step, SD's drafting) multiplies by the layers' own matrices and the output
+    head's as reductions inductor generates, attention too, no product operator called, and gives the full
+    recompute's logits (fp32) or the packed products' to bf16 rounding; a block and several rows keep
+    oneDNN's packed products."""
     if "onednn" not in candidates(dtype):
         pytest.skip("needs PyTorch's oneDNN (mkldnn) build")
     monkeypatch.setattr("mtad.models.static_llama.gemv_dtypes", lambda: frozenset({torch.float32, torch.bfloat16}))
@@ -436,10 +438,10 @@ def test_a_one_row_one_token_forward_streams_each_matrix_inside_the_compiled_gra
             torch.testing.assert_close(one, packed.feed(torch.tensor([[ids[i]]])), rtol=2e-2, atol=5e-2)
     lm.rollback(len(ids) - 5)
     block, ran = products_run(lm, [ids[-5:-1]], keep=4)
-    assert ran == {"mtad::packed_linear"}
+    assert "mtad::packed_linear" in ran
     lm.cache.fan_out(2)
     _, ran = products_run(lm, [[ids[-1]], [ids[-2]]])
-    assert ran == {"mtad::packed_linear"}
+    assert "mtad::packed_linear" in ran
 
 
 def test_which_one_token_forwards_take_the_gemv_form(monkeypatch: pytest.MonkeyPatch, micro_int8_pair) -> None:  # noqa: F811
@@ -581,18 +583,25 @@ def test_code_compiled_for_one_cpu_capability_is_not_reused_under_another(tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cpu-avx2", "cpu-avx512"]
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("n", [4, 1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decoding_attention_over_strided_buffers_equals_the_fused_kernel(dtype: torch.dtype) -> None:
-    """The few-query attention (bf16 computes its scores as K q^T, fp32 as q K^T) over the first slots of
-    buffers with room to spare, in several rows and grouped heads, equals PyTorch's fused attention over
-    the same keys and values made contiguous."""
+def test_decoding_attention_over_strided_buffers_equals_the_fused_kernel(
+    dtype: torch.dtype, n: int, compiled: bool
+) -> None:
+    """The few-query attention (bf16 computes its scores as K q^T, fp32 as q K^T; one query a row, compiled,
+    as two reductions) over the first slots of buffers with room to spare, in several rows and grouped heads,
+    with a masked slot, equals PyTorch's fused attention over the same keys and values made contiguous."""
     gen = torch.Generator().manual_seed(0)
-    rows, heads, kv_heads, n, d, capacity, span = 3, 6, 2, 4, 16, 64, 37
+    rows, heads, kv_heads, d, capacity, span = 3, 6, 2, 16, 64, 37
     q = torch.randn(rows, heads, n, d, generator=gen).to(dtype)
     k_buf = torch.randn(rows, kv_heads, capacity, d, generator=gen).to(dtype)
     v_buf = torch.randn(rows, kv_heads, capacity, d, generator=gen).to(dtype)
     mask = torch.ones(n, span, dtype=torch.bool).tril(diagonal=span - n)
-    ours = _attention(q, k_buf, v_buf, mask, 0.25)
+    mask[:, 5] = False  # a slot no query attends (a rejected draft's, in a tree)
+    attend = torch.compile(_attention, fullgraph=True) if compiled else _attention
+    with torch.inference_mode():
+        ours = attend(q, k_buf, v_buf, mask, 0.25)
     fused = torch.nn.functional.scaled_dot_product_attention(
         q.float(), k_buf[:, :, :span].float(), v_buf[:, :, :span].float(), attn_mask=mask, scale=0.25, enable_gqa=True
     )
