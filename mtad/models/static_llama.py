@@ -163,7 +163,7 @@ def layer_weights(layer: torch.nn.Module) -> LayerWeights:
 @functools.cache
 def gemv_dtypes() -> frozenset[torch.dtype]:
     """The dtypes whose one-row, one-token CPU forwards take the ``gemv`` form (:func:`gemv_layer_weights`),
-    from measurements: fp32 everywhere (a SmolLM2-135M forward 14-17 % faster than with oneDNN's packed
+    from measurements: fp32 everywhere (a SmolLM2-135M forward 11-17 % faster than with oneDNN's packed
     products on Zen 4, with AVX-512 and with AVX2 emulated) and bf16 where the CPU has AVX512-BF16 but not
     AMX (17 % faster on that Zen 4, as close to fp32's logits; unmeasured on AMX, whose bf16 products the
     engine leaves to oneDNN and inductor's own lowering). Journal: 2026-11-26 evening."""
@@ -288,7 +288,7 @@ def _attention(
     groups = heads // kv_heads
     if n == 1 and q.device.type == "cpu" and torch.compiler.is_compiling():
         # one query a row: two reductions inductor generates, in fp32, read the keys and values once with no
-        # call into a library (one-token bf16 forwards 12-15 % faster, fp32 within noise to 4 %; journal)
+        # call into a library (one-token bf16 forwards 12-13 % faster, fp32 0-6 %; journal)
         qg = q.reshape(rows, kv_heads, groups, 1, d).float()
         scores = (qg * k_buf[:, :, :span].unsqueeze(2).float()).sum(-1) * scaling  # [rows, kv, groups, span]
         weights = torch.softmax(scores.masked_fill(~mask.view(span), float("-inf")), dim=-1)
