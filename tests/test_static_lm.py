@@ -464,6 +464,26 @@ def test_which_one_token_forwards_take_the_gemv_form(monkeypatch: pytest.MonkeyP
     assert StaticLM(draft, micro_int8_pair.vocab_size).one_token is None  # fp32 int8: the dequantised products
 
 
+def test_the_bench_records_how_each_model_multiplies(tiny_pair, micro_int8_pair) -> None:  # noqa: F811
+    """``bench.json``'s environment names each compiled model's products, one token in one row and otherwise:
+    the gemv form for an fp32 model, the int8 kernel for an int8 draft in bf16; nothing on the eager engine."""
+    from mtad.bench.report import environment
+    from mtad.decoding.static_lm import products
+    from mtad.models.static_llama import layer_weights
+
+    pair = dataclasses.replace(tiny_pair, engine="compiled")
+    several = layer_weights(pair.target.model.layers[0])[1]
+    assert several in ("packed", "plain")
+    assert products(pair)["target"] == {"one_token": "gemv", "several": several}
+    assert environment(pair, [], None, "none", None)["compiled_products"] == products(pair)
+    assert products(dataclasses.replace(tiny_pair, engine="eager")) == {}
+    int8 = dataclasses.replace(micro_int8_pair, engine="compiled")
+    draft = products(int8)["draft"]
+    assert draft["one_token"] == draft["several"] != "gemv"  # fp32 int8 layers: their dequantised products
+    int8 = dataclasses.replace(int8, draft=copy.deepcopy(micro_int8_pair.draft).to(torch.bfloat16))
+    assert products(int8)["draft"]["one_token"] == "int8"
+
+
 @pytest.mark.parametrize("kernel", ["mkl", "onednn"])
 def test_an_int8_shortlist_draft_on_the_compiled_engine_equals_its_eager_forward(
     micro_int8_pair,  # noqa: F811

@@ -19,6 +19,7 @@ import transformers
 from mtad.bench.plots import ar_row, figure1_series, save_sweep_figures
 from mtad.bench.run import BenchResult
 from mtad.decoding.spec import registry, spec_of
+from mtad.decoding.static_lm import products
 from mtad.events import json_safe
 from mtad.models.pair import ModelPair
 
@@ -167,6 +168,7 @@ def environment(
         "dtype": str(pair.dtype).replace("torch.", ""),
         "linear_kernels": dict(pair.kernels),
         "engine": pair.engine,
+        "compiled_products": products(pair),
         "cpu_flags": cpu_flags() if dev.type == "cpu" else None,
         "pair": pair.name,
         "draft_parameters": draft_params,

@@ -217,11 +217,7 @@ class StaticLM:
         self.columns: torch.Tensor | None = getattr(model, "columns", None)
         self.compile = compile  # False: the same forward, uncompiled (what a prefill runs)
         self.layers = [layer_weights(layer) for layer in model.model.layers]
-        # a one-token, one-row forward multiplies by its own kernels: an int8 draft's in bf16 the int8 kernel,
-        # as on the eager engine; a plain model's in fp32 (and bf16 where measured faster) inductor's reductions
-        int8 = [int8_layer_weights(layer) for layer in model.model.layers]
-        gemv = [gemv_layer_weights(layer) for layer in model.model.layers]
-        self.one_token: list | None = int8 if all(int8) else gemv if all(gemv) else None
+        self.one_token: list | None = one_token_layers(model)
 
     @property
     def length(self) -> int:
@@ -283,6 +279,32 @@ class StaticLM:
             return logits[..., : self.vocab].float()
         full = logits.new_full((*logits.shape[:-1], self.vocab), float("-inf"), dtype=torch.float32)
         return full.index_copy_(-1, self.columns, logits.float())
+
+
+def one_token_layers(model: torch.nn.Module) -> list | None:
+    """The layers' tensors a one-token, one-row forward multiplies by when they differ from every other
+    forward's: an int8 draft's in bf16 for the int8 kernel, as on the eager engine; a plain model's in fp32
+    (and bf16 where measured faster) for inductor's reductions (the ``gemv`` form); else None."""
+    int8 = [int8_layer_weights(layer) for layer in model.model.layers]
+    if all(int8):
+        return int8
+    gemv = [gemv_layer_weights(layer) for layer in model.model.layers]
+    return gemv if all(gemv) else None
+
+
+def products(pair: ModelPair) -> dict[str, dict[str, str]]:
+    """How each model of a pair on the compiled engine multiplies, one token in one row and otherwise
+    (``int8``, ``gemv``, ``packed`` for oneDNN's packed products, ``plain``): what the bench records
+    beside the linear kernels. Empty on the eager engine."""
+    if pair.engine != "compiled":
+        return {}
+    out = {}
+    for role, model in (("draft", pair.draft), ("target", pair.target)):
+        if supports(model) is None:
+            other = layer_weights(model.model.layers[0])[1]
+            one = one_token_layers(model)
+            out[role] = {"one_token": one[0][1] if one else other, "several": other}
+    return out
 
 
 def _check_out(lm: StaticLM, model: torch.nn.Module, param: torch.Tensor) -> tuple[StaticKV, ForwardGraphs]:
