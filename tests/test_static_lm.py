@@ -437,7 +437,7 @@ def test_a_one_row_one_token_forward_streams_each_matrix_inside_the_compiled_gra
         else:
             torch.testing.assert_close(one, packed.feed(torch.tensor([[ids[i]]])), rtol=2e-2, atol=5e-2)
     lm.rollback(len(ids) - 5)
-    block, ran = products_run(lm, [ids[-5:-1]], keep=4)
+    _, ran = products_run(lm, [ids[-5:-1]], keep=4)
     assert "mtad::packed_linear" in ran
     lm.cache.fan_out(2)
     _, ran = products_run(lm, [[ids[-1]], [ids[-2]]])
