@@ -410,78 +410,132 @@ def products_run(lm: StaticLM, tokens: list[list[int]], keep: int = 1) -> tuple[
     return logits, {e.name for e in prof.events()} & ours
 
 
+def gemv_up_to(monkeypatch: pytest.MonkeyPatch, tokens: int) -> None:
+    """Have every dtype's one-row forwards of up to ``tokens`` tokens take the ``gemv`` form, whatever this
+    CPU's own table says (:func:`mtad.models.static_llama.gemv_tokens`)."""
+    for where in ("mtad.models.static_llama", "mtad.decoding.static_lm"):
+        monkeypatch.setattr(f"{where}.gemv_tokens", lambda dtype: tokens)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_one_row_one_token_forward_streams_each_matrix_inside_the_compiled_graph(
+def test_a_one_row_forward_of_a_few_tokens_streams_each_matrix_inside_the_compiled_graph(
     monkeypatch: pytest.MonkeyPatch, tiny_pair, dtype: torch.dtype
 ) -> None:
-    """One token in one row (AR's step, SD's drafting) multiplies by the layers' own matrices and the output
-    head's as reductions inductor generates, attention too, no product operator called, and gives the full
-    recompute's logits (fp32) or the packed products' to bf16 rounding; a block and several rows keep
-    oneDNN's packed products."""
+    """One row of up to gemv_tokens tokens (AR's step, SD's drafting; a verification where the CPU's few-row
+    products are slow) multiplies by the layers' own matrices and the output head's as reductions inductor
+    generates, attention too for one token, no product operator called, and gives the full recompute's
+    logits (fp32), or bf16 logits as close to them as the packed products'; a longer block and several rows keep oneDNN's
+    packed products. (Attention over several queries keeps its batched products.)"""
     if "onednn" not in candidates(dtype):
         pytest.skip("needs PyTorch's oneDNN (mkldnn) build")
-    monkeypatch.setattr("mtad.models.static_llama.gemv_dtypes", lambda: frozenset({torch.float32, torch.bfloat16}))
+    gemv_up_to(monkeypatch, 3)
     model = copy.deepcopy(tiny_pair.target).to(dtype)
     use_linear_kernel(model, "onednn")
     ids = tiny_pair.encode("abc def gh abba cafe")
     lm, packed = StaticLM(model, tiny_pair.vocab_size), StaticLM(model, tiny_pair.vocab_size)
-    packed.one_token = None
-    assert {form for _, form, _ in lm.one_token} == {"gemv"}
-    assert lm.one_token[0][0][2] is model.model.layers[0].self_attn.q_proj.weight  # the layer's own, no copy
-    lm.feed(torch.tensor([ids[:-6]])), packed.feed(torch.tensor([ids[:-6]]))
-    for i in range(len(ids) - 6, len(ids) - 3):
+    packed.one_row = None
+    assert {form for _, form, _ in lm.one_row} == {"gemv"} and lm.one_row_tokens == 3
+    assert lm.one_row[0][0][2] is model.model.layers[0].self_attn.q_proj.weight  # the layer's own, no copy
+    start = len(ids) - 6
+    lm.feed(torch.tensor([ids[:start]])), packed.feed(torch.tensor([ids[:start]]))
+
+    def check(got: torch.Tensor, tokens: list[int], past: int) -> None:
+        """fp32: the full recompute's logits; bf16: as close to them as the packed products' (which round
+        in other places)."""
+        exact = torch.stack([full_logits(tiny_pair.target, ids[: past + j + 1]) for j in range(len(tokens))])
+        if dtype == torch.float32:
+            torch.testing.assert_close(got[0], exact, rtol=1e-4, atol=1e-4)
+        else:
+            ref = packed.feed(torch.tensor([tokens]), keep=len(tokens))[0]
+            err, ref_err = (got[0] - exact).abs().max(), (ref - exact).abs().max()
+            assert err <= 2 * ref_err + 0.02, (len(tokens), err, ref_err)
+
+    for i in range(start, start + 3):
         one, ran = products_run(lm, [[ids[i]]])
         assert not ran, ran
-        if dtype == torch.float32:
-            torch.testing.assert_close(one[0, -1], full_logits(tiny_pair.target, ids[: i + 1]), rtol=1e-4, atol=1e-4)
-        else:
-            torch.testing.assert_close(one, packed.feed(torch.tensor([[ids[i]]])), rtol=2e-2, atol=5e-2)
-    lm.rollback(len(ids) - 5)
-    _, ran = products_run(lm, [ids[-5:-1]], keep=4)
+        check(one, [ids[i]], i)
+    for n in (2, 3):
+        lm.rollback(start), packed.rollback(start)
+        block, ran = products_run(lm, [ids[start : start + n]], keep=n)
+        assert not ran - {"aten::bmm", "aten::matmul"}, (n, ran)  # several queries: attention's batched products
+        check(block, ids[start : start + n], start)
+    lm.rollback(start)
+    _, ran = products_run(lm, [ids[start : start + 4]], keep=4)
     assert "mtad::packed_linear" in ran
     lm.cache.fan_out(2)
     _, ran = products_run(lm, [[ids[-1]], [ids[-2]]])
     assert "mtad::packed_linear" in ran
 
 
-def test_which_one_token_forwards_take_the_gemv_form(monkeypatch: pytest.MonkeyPatch, micro_int8_pair) -> None:  # noqa: F811
-    """fp32 everywhere and bf16 where the CPU has AVX512-BF16 without AMX (what was measured faster); an int8
-    layer keeps its int8 or dequantised products."""
+def test_how_many_tokens_of_one_row_take_the_gemv_form(monkeypatch: pytest.MonkeyPatch, micro_int8_pair) -> None:  # noqa: F811
+    """What was measured faster: fp32 one token, up to six where PyTorch runs AVX2 code; bf16 one token where
+    the CPU has AVX512-BF16 without AMX, none elsewhere; fp16 none. An int8 layer keeps its int8 or
+    dequantised products."""
     from mtad.models import static_llama
 
-    for flags, dtypes in (
-        (set(), {torch.float32}),
-        ({"avx2", "avx512_bf16"}, {torch.float32, torch.bfloat16}),
-        ({"avx512_bf16", "amx_bf16", "amx_tile"}, {torch.float32}),
-    ):
+    cases = (
+        ("AVX2", {"avx2"}, (6, 0)),
+        ("AVX2", {"avx2", "avx512_bf16"}, (6, 1)),  # AVX-512 hardware run as AVX2: its bf16 is still native
+        ("AVX512", {"avx512_f", "avx512_bf16"}, (1, 1)),
+        ("AVX512", {"avx512_bf16", "amx_bf16", "amx_tile"}, (1, 0)),
+        ("DEFAULT", set(), (1, 0)),
+    )
+    for capability, flags, (fp32, bf16) in cases:
         monkeypatch.setattr(static_llama, "cpu_flags", lambda flags=flags: flags)
-        static_llama.gemv_dtypes.cache_clear()
-        assert static_llama.gemv_dtypes() == dtypes
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda capability=capability: capability)
+        static_llama.gemv_tokens.cache_clear()
+        got = [static_llama.gemv_tokens(dtype) for dtype in (torch.float32, torch.bfloat16, torch.float16)]
+        assert got == [fp32, bf16, 0], capability
     monkeypatch.undo()
-    static_llama.gemv_dtypes.cache_clear()  # this CPU's own answer again
+    static_llama.gemv_tokens.cache_clear()  # this CPU's own answer again
     draft = micro_int8_pair.draft
     assert static_llama.gemv_layer_weights(draft.model.layers[0]) is None
-    assert StaticLM(draft, micro_int8_pair.vocab_size).one_token is None  # fp32 int8: the dequantised products
+    lm = StaticLM(draft, micro_int8_pair.vocab_size)
+    assert lm.one_row is None and lm.one_row_tokens == 0  # fp32 int8: the dequantised products
+
+
+def test_greedy_decoders_verifying_in_the_gemv_form_equal_greedy_ar(
+    monkeypatch: pytest.MonkeyPatch, close_pair
+) -> None:
+    """Where a verification of γ + 1 tokens takes the gemv form (an AVX2 CPU in fp32), greedy SD and MTAD
+    on the compiled engine write greedy AR's text, as on the eager engine, and a second prompt recompiles
+    nothing."""
+    gemv_up_to(monkeypatch, 6)
+    compiled = dataclasses.replace(close_pair, engine="compiled")
+    torch._dynamo.reset()
+    for prompt in ("abc def", "abc def gh abc bad cafe fed"):
+        ar = generate(close_pair, prompt, GREEDY[0]).new_ids
+        for settings in (GREEDY[1], GREEDY[2], dataclasses.replace(GREEDY[1], gamma=5)):
+            with torch._dynamo.config.patch(error_on_recompile=prompt != "abc def"):
+                got = generate(compiled, prompt, settings).new_ids
+            assert got == generate(close_pair, prompt, settings).new_ids, settings
+            if settings.method == "sd":
+                assert got == ar, settings
+    st = DecodeState.start(compiled, close_pair.encode("abc"), GREEDY[1])
+    assert st.target.one_row is not None and st.target.one_row_tokens == 6
 
 
 def test_the_bench_records_how_each_model_multiplies(tiny_pair, micro_int8_pair) -> None:  # noqa: F811
-    """``bench.json``'s environment names each compiled model's products, one token in one row and otherwise:
-    the gemv form for an fp32 model, the int8 kernel for an int8 draft in bf16; nothing on the eager engine."""
+    """``bench.json``'s environment names each compiled model's products, in one row up to some tokens and
+    otherwise: the gemv form for an fp32 model, the int8 kernel for an int8 draft's one token in bf16;
+    nothing on the eager engine."""
     from mtad.bench.report import environment
     from mtad.decoding.static_lm import products
-    from mtad.models.static_llama import layer_weights
+    from mtad.models.static_llama import gemv_tokens, layer_weights
 
     pair = dataclasses.replace(tiny_pair, engine="compiled")
     several = layer_weights(pair.target.model.layers[0])[1]
     assert several in ("packed", "plain")
-    assert products(pair)["target"] == {"one_token": "gemv", "several": several}
+    want = {"one_row": "gemv", "one_row_tokens": gemv_tokens(torch.float32), "several": several}
+    assert products(pair)["target"] == want
     assert environment(pair, [], None, "none", None)["compiled_products"] == products(pair)
     assert products(dataclasses.replace(tiny_pair, engine="eager")) == {}
     int8 = dataclasses.replace(micro_int8_pair, engine="compiled")
     draft = products(int8)["draft"]
-    assert draft["one_token"] == draft["several"] != "gemv"  # fp32 int8 layers: their dequantised products
+    assert draft["one_row"] == draft["several"] != "gemv"  # fp32 int8 layers: their dequantised products
+    assert draft["one_row_tokens"] == 0
     int8 = dataclasses.replace(int8, draft=copy.deepcopy(micro_int8_pair.draft).to(torch.bfloat16))
-    assert products(int8)["draft"]["one_token"] == "int8"
+    assert products(int8)["draft"]["one_row"] == "int8" and products(int8)["draft"]["one_row_tokens"] == 1
 
 
 @pytest.mark.parametrize("kernel", ["mkl", "onednn"])
@@ -545,7 +599,7 @@ def test_an_int8_draft_s_one_row_bf16_forward_multiplies_with_the_int8_kernel_on
         eager = torch.cat([proj.q_proj(x), proj.k_proj(x), proj.v_proj(x)], dim=-1)
     assert isinstance(proj.q_proj, Int8Linear) and torch.equal(qkv, eager)
     static, cached = StaticLM(draft, micro_int8_pair.vocab_size), CachedLM(draft, micro_int8_pair.vocab_size)
-    assert static.one_token is not None
+    assert static.one_row is not None and static.one_row_tokens == 1
     ids = torch.tensor([[1, 2, 9, 3, 4]])
     static.feed(ids), cached.feed(ids)
     for token in (5, 6, 2):
@@ -575,10 +629,15 @@ config = LlamaConfig(
 model = LlamaForCausalLM(config).eval()
 use_linear_kernel(model, "onednn" if torch.backends.mkldnn.is_available() else "mkl")
 static, eager = StaticLM(model, 64), CachedLM(model, 64)
-ids = torch.randint(0, 64, (1, 12))
+ids = torch.randint(0, 64, (1, 16))
 static.feed(ids[:, :8]), eager.feed(ids[:, :8])
 for i in range(8, 12):
     torch.testing.assert_close(static.feed(ids[:, i : i + 1]), eager.feed(ids[:, i : i + 1]), rtol=1e-4, atol=1e-4)
+static.rollback(8), eager.rollback(8)
+for n in (4, 8):  # verifications: AVX2 runs four tokens of one row in the gemv form, eight packed
+    block = ids[:, 8 : 8 + n]
+    torch.testing.assert_close(static.feed(block, keep=n), eager.feed(block, keep=n), rtol=1e-4, atol=1e-4)
+    static.rollback(8), eager.rollback(8)
 print("compiled logits equal the eager ones")
 """
 

@@ -27,6 +27,7 @@ from mtad.models.pair import ModelPair
 from mtad.models.static_llama import (
     FEW_QUERIES,
     gemv_layer_weights,
+    gemv_tokens,
     int8_layer_weights,
     layer_weights,
     llama_forward,
@@ -217,7 +218,7 @@ class StaticLM:
         self.columns: torch.Tensor | None = getattr(model, "columns", None)
         self.compile = compile  # False: the same forward, uncompiled (what a prefill runs)
         self.layers = [layer_weights(layer) for layer in model.model.layers]
-        self.one_token: list | None = one_token_layers(model)
+        self.one_row, self.one_row_tokens = one_row_layers(model)
 
     @property
     def length(self) -> int:
@@ -257,7 +258,7 @@ class StaticLM:
         self.cache.reserve(rows, past + n)  # from one row to several, this fans the context out
         repeated = past > 0 and n <= COMPILED_TOKENS and rows <= COMPILED_ROWS
         compiled = self.compile and repeated
-        layers = self.one_token if self.one_token is not None and rows * n == 1 else self.layers
+        layers = self.one_row if self.one_row is not None and rows == 1 and n <= self.one_row_tokens else self.layers
         cache = self.cache
 
         def forward(ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -265,7 +266,7 @@ class StaticLM:
             return llama_forward(self.model, *args, compiled=compiled)
 
         if self.graphs is not None and repeated:
-            key = (rows, n, keep, layers is self.one_token, compiled, cache.keys[0].data_ptr())
+            key = (rows, n, keep, layers is self.one_row, compiled, cache.keys[0].data_ptr())
             logits = self.graphs.run(key, tokens, past, cache.capacity, cache.epoch, forward, positions, allow)
         else:
             dev = cache.device
@@ -281,29 +282,33 @@ class StaticLM:
         return full.index_copy_(-1, self.columns, logits.float())
 
 
-def one_token_layers(model: torch.nn.Module) -> list | None:
-    """The layers' tensors a one-token, one-row forward multiplies by when they differ from every other
-    forward's: an int8 draft's in bf16 for the int8 kernel, as on the eager engine; a plain model's in fp32
-    (and bf16 where measured faster) for inductor's reductions (the ``gemv`` form); else None."""
+def one_row_layers(model: torch.nn.Module) -> tuple[list | None, int]:
+    """The layers' tensors a one-row forward of a few tokens multiplies by when they differ from every other
+    forward's, and up to how many tokens: an int8 draft's in bf16 for the int8 kernel, one token, as on
+    the eager engine; a plain model's for inductor's reductions (the ``gemv`` form), as many tokens as
+    measured faster for its dtype on this CPU (:func:`~mtad.models.static_llama.gemv_tokens`); else
+    (None, 0)."""
     int8 = [int8_layer_weights(layer) for layer in model.model.layers]
     if all(int8):
-        return int8
+        return int8, 1
     gemv = [gemv_layer_weights(layer) for layer in model.model.layers]
-    return gemv if all(gemv) else None
+    if all(gemv):
+        return gemv, gemv_tokens(next(model.parameters()).dtype)
+    return None, 0
 
 
 def products(pair: ModelPair) -> dict[str, dict[str, str]]:
-    """How each model of a pair on the compiled engine multiplies, one token in one row and otherwise
-    (``int8``, ``gemv``, ``packed`` for oneDNN's packed products, ``plain``): what the bench records
-    beside the linear kernels. Empty on the eager engine."""
+    """How each model of a pair on the compiled engine multiplies (``int8``, ``gemv``, ``packed`` for
+    oneDNN's packed products, ``plain``): in one row up to ``one_row_tokens`` tokens, and otherwise; what
+    the bench records beside the linear kernels. Empty on the eager engine."""
     if pair.engine != "compiled":
         return {}
     out = {}
     for role, model in (("draft", pair.draft), ("target", pair.target)):
         if supports(model) is None:
             other = layer_weights(model.model.layers[0])[1]
-            one = one_token_layers(model)
-            out[role] = {"one_token": one[0][1] if one else other, "several": other}
+            one, tokens = one_row_layers(model)
+            out[role] = {"one_row": one[0][1] if one else other, "one_row_tokens": tokens, "several": other}
     return out
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch._dynamo
@@ -161,26 +162,28 @@ def layer_weights(layer: torch.nn.Module) -> LayerWeights:
 
 
 @functools.cache
-def gemv_dtypes() -> frozenset[torch.dtype]:
-    """The dtypes whose one-row, one-token CPU forwards take the ``gemv`` form (:func:`gemv_layer_weights`),
-    from measurements: fp32 everywhere (a SmolLM2-135M forward 11-17 % faster than with oneDNN's packed
-    products on Zen 4, with AVX-512 and with AVX2 emulated) and bf16 where the CPU has AVX512-BF16 but not
-    AMX (17 % faster on that Zen 4, as close to fp32's logits; unmeasured on AMX, whose bf16 products the
-    engine leaves to oneDNN and inductor's own lowering). Journal: 2026-11-26 evening."""
+def gemv_tokens(dtype: torch.dtype) -> int:
+    """The most tokens of one row whose CPU forward in ``dtype`` takes the ``gemv`` form
+    (:func:`gemv_layer_weights`), 0 for none, from measurements on SmolLM2-135M (journal, 2026-11-26):
+    fp32 one token everywhere (a forward 11-17 % faster than with oneDNN's packed products on Zen 4, AVX-512
+    and AVX2 alike) and up to six where PyTorch dispatches to AVX2, whose few-row oneDNN products read the
+    weights slowly (two to six tokens 11-25 % faster; eight slower; with AVX-512 oneDNN is as fast from
+    three); bf16 one token where the CPU has AVX512-BF16 but not AMX (17 % faster; from two tokens
+    oneDNN's bf16 products are twice as fast; AMX unmeasured, left to oneDNN)."""
+    if dtype == torch.float32:
+        return 6 if torch.backends.cpu.get_cpu_capability() == "AVX2" else 1
     flags = cpu_flags()
-    if "avx512_bf16" in flags and "amx_bf16" not in flags:
-        return frozenset({torch.float32, torch.bfloat16})
-    return frozenset({torch.float32})
+    return int(dtype == torch.bfloat16 and "avx512_bf16" in flags and "amx_bf16" not in flags)
 
 
 def gemv_layer_weights(layer: torch.nn.Module) -> LayerWeights | None:
-    """A layer's tensors for a one-row, one-token CPU forward in the ``gemv`` form: the two norms, then the
-    layer's own q, k, v, o, gate, up and down matrices (no copy). Compiled, each product is a reduction
-    inductor generates (:func:`_gemv`), which streams the matrix once with no call into a library. None
-    for dtypes outside :func:`gemv_dtypes`, other devices, and int8 layers (inductor's int8-to-fp32 reduction
-    ran 13x slower than the fp32 one)."""
+    """A layer's tensors for a one-row CPU forward of up to :func:`gemv_tokens` tokens in the ``gemv``
+    form: the two norms, then the layer's own q, k, v, o, gate, up and down matrices (no copy). Compiled,
+    each product is a reduction inductor generates (:func:`_gemv`), which streams the matrix once with no
+    call into a library. None for dtypes with no such tokens, other devices, and int8 layers (inductor's
+    int8-to-fp32 reduction ran 13x slower than the fp32 one)."""
     linears, norms = _parts(layer)
-    if norms[0].dtype not in gemv_dtypes() or norms[0].device.type != "cpu":
+    if not gemv_tokens(norms[0].dtype) or norms[0].device.type != "cpu":
         return None
     if any(hasattr(lin, "qweight") for lin in linears):
         return None
@@ -307,11 +310,15 @@ def _attention(
 
 
 def _gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` for one row. Compiled: a product and a sum that inductor fuses into one reduction
-    over each row of ``weight``; uncompiled (a first token, before any cache): ``F.linear``."""
-    if torch.compiler.is_compiling():
+    """``x @ weight.T`` for the few tokens of one row. Compiled: for each token a product and a sum, which
+    inductor fuses into one reduction over each row of ``weight`` that loads the row once for all the
+    tokens (a broadcast over the tokens instead reads it once a token); uncompiled (a prefill): ``F.linear``."""
+    if not torch.compiler.is_compiling():
+        return F.linear(x, weight)
+    if x.shape[-2] == 1:
         return (x.unsqueeze(-2) * weight).sum(-1)
-    return F.linear(x, weight)
+    tokens = [(x[..., i : i + 1, :].unsqueeze(-2) * weight).sum(-1) for i in range(x.shape[-2])]
+    return torch.cat(tokens, dim=-2)
 
 
 def _rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -364,6 +371,20 @@ def decoder_layers(
 # model of those shapes: a new (rows, tokens) shape compiles it once, in seconds, not a whole model's graph.
 compiled_layers = torch.compile(decoder_layers)
 
+REALIZE_REUSED = {"realize_reads_threshold": 1}
+"""Inductor's options for the ``gemv`` form: keep a value that several kernels read (a normed input) in a
+buffer. By default inductor inlines a cheap one into each reader, and a reduction over a matrix then
+recomputes the norm for every row of the matrix: a five-token output head 22 ms instead of 3."""
+
+
+def gemv_layers(*args: Any) -> torch.Tensor:
+    """:func:`decoder_layers` as the ``gemv`` form compiles it (its own function, so its own compiled
+    code, with :data:`REALIZE_REUSED`)."""
+    return decoder_layers(*args)
+
+
+compiled_gemv_layers = torch.compile(gemv_layers, options=REALIZE_REUSED)
+
 MOST_LAYERS_PER_CALL = 6
 """The most decoder layers one compiled call runs. Each call costs host work (guards, the compiled
 wrapper's own code): one-token bf16 forwards of SmolLM2's 30 layers took 13.66 ms at one layer a call, 12.87 at two,
@@ -405,7 +426,8 @@ def llama_forward(
         torch._dynamo.mark_dynamic(mask, 1)  # a longer context is the same graph
         if h.shape[0] > 1:
             torch._dynamo.mark_dynamic(h, 0)  # and so is any count of rows from two on (beams, drafts)
-    run = compiled_layers if compiled else decoder_layers
+    gemv = layers[0][1] == "gemv"
+    run = (compiled_gemv_layers if gemv else compiled_layers) if compiled else decoder_layers
     attn = inner.layers[0].self_attn
     eps = inner.layers[0].input_layernorm.variance_epsilon
     step = layers_per_call(len(layers))
@@ -414,16 +436,15 @@ def llama_forward(
         h = run(h, cos, sin, mask, slots, keys[part], values[part], layers[part], attn.head_dim, attn.scaling, eps)
     last = h[:, -keep:]
     lm_head = getattr(model, "lm_head", None)
-    if compiled and layers[0][1] == "gemv" and head(model) is lm_head and getattr(lm_head, "bias", 0) is None:
+    if compiled and gemv and head(model) is lm_head and getattr(lm_head, "bias", 0) is None:
         return compiled_gemv_logits(last, inner.norm.weight, inner.norm.variance_epsilon, lm_head.weight)
     return head(model)(inner.norm(last))
 
 
 def gemv_logits(h: torch.Tensor, norm: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
-    """The final norm and the output head of a one-row, one-token forward in the ``gemv`` form: the head's
-    matrix, the largest a small model reads (SmolLM2's 49,152 x 576), streamed by a reduction like the
-    layers'."""
+    """The final norm and the output head of a one-row forward in the ``gemv`` form: the head's matrix, the
+    largest a small model reads (SmolLM2's 49,152 x 576), streamed by a reduction like the layers'."""
     return _gemv(_rms_norm(h, norm, eps), weight)
 
 
-compiled_gemv_logits = torch.compile(gemv_logits)
+compiled_gemv_logits = torch.compile(gemv_logits, options=REALIZE_REUSED)
