@@ -424,8 +424,10 @@ def test_a_one_row_forward_of_a_few_tokens_streams_each_matrix_inside_the_compil
     """One row of up to gemv_tokens tokens (AR's step, SD's drafting; a verification where the CPU's few-row
     products are slow) multiplies by the layers' own matrices and the output head's as reductions inductor
     generates, attention too for one token, no product operator called, and gives the full recompute's
-    logits (fp32), or bf16 logits as close to them as the packed products'; a longer block and several rows keep oneDNN's
-    packed products. (Attention over several queries keeps its batched products.)"""
+    logits (fp32), or bf16 logits as close to them as the packed products'; a product whose input is
+    larger than GEMV_INPUT_BYTES (the down projection's, wider than the rest) takes the packed product; a
+    longer block and several rows keep oneDNN's packed products. (Attention over several queries keeps
+    its batched products.)"""
     if "onednn" not in candidates(dtype):
         pytest.skip("needs PyTorch's oneDNN (mkldnn) build")
     gemv_up_to(monkeypatch, 3)
@@ -459,6 +461,13 @@ def test_a_one_row_forward_of_a_few_tokens_streams_each_matrix_inside_the_compil
         block, ran = products_run(lm, [ids[start : start + n]], keep=n)
         assert not ran - {"aten::bmm", "aten::matmul"}, (n, ran)  # several queries: attention's batched products
         check(block, ids[start : start + n], start)
+    lm.rollback(start), packed.rollback(start)  # an input larger than the bound: that product packed
+    monkeypatch.setattr("mtad.models.static_llama.GEMV_INPUT_BYTES", 3 * model.config.hidden_size * dtype.itemsize)
+    lm.feed(torch.tensor([ids[start : start + 3]]), keep=3), lm.rollback(start)  # compiled before it is counted
+    with torch.profiler.profile() as prof:
+        block = lm.feed(torch.tensor([ids[start : start + 3]]), keep=3)
+    assert [e.name for e in prof.events()].count("mtad::packed_linear") == len(model.model.layers)  # down's
+    check(block, ids[start : start + 3], start)
     lm.rollback(start)
     _, ran = products_run(lm, [ids[start : start + 4]], keep=4)
     assert "mtad::packed_linear" in ran

@@ -161,6 +161,14 @@ def layer_weights(layer: torch.nn.Module) -> LayerWeights:
     return (*norms, *kept[1]), "packed", widths
 
 
+GEMV_INPUT_BYTES = 24 * 1024
+"""The most bytes of input a product in the ``gemv`` form reduces against a matrix; a larger one takes the
+packed product. The reduction keeps every token's input in the core's first-level cache while the matrix
+streams past: SmolLM2's down projection (1,536 inputs, fp32, emulated AVX2 on a Zen 4 with 48 KiB of it)
+took 114 µs for four tokens (24 KiB) and 215 µs for five (30 KiB), where oneDNN took 133-150 µs; a
+five-token forward 22.1 -> 20.9 ms with that product packed, a four-token one 17.3 -> 18.8 ms (journal)."""
+
+
 @functools.cache
 def gemv_tokens(dtype: torch.dtype) -> int:
     """The most tokens of one row whose CPU forward in ``dtype`` takes the ``gemv`` form
@@ -178,16 +186,20 @@ def gemv_tokens(dtype: torch.dtype) -> int:
 
 def gemv_layer_weights(layer: torch.nn.Module) -> LayerWeights | None:
     """A layer's tensors for a one-row CPU forward of up to :func:`gemv_tokens` tokens in the ``gemv``
-    form: the two norms, then the layer's own q, k, v, o, gate, up and down matrices (no copy). Compiled,
-    each product is a reduction inductor generates (:func:`_gemv`), which streams the matrix once with no
-    call into a library. None for dtypes with no such tokens, other devices, and int8 layers (inductor's
-    int8-to-fp32 reduction ran 13x slower than the fp32 one)."""
+    form: the two norms, the layer's own q, k, v, o, gate, up and down matrices (no copy), then, for a
+    oneDNN layer, its four packed products (:func:`layer_weights`'s, shared) for inputs larger than
+    :data:`GEMV_INPUT_BYTES`. Compiled, each other product is a reduction inductor generates
+    (:func:`_gemv`), which streams the matrix once with no call into a library. None for dtypes with no
+    such tokens, other devices, and int8 layers (inductor's int8-to-fp32 reduction ran 13x slower than the
+    fp32 one)."""
     linears, norms = _parts(layer)
     if not gemv_tokens(norms[0].dtype) or norms[0].device.type != "cpu":
         return None
     if any(hasattr(lin, "qweight") for lin in linears):
         return None
-    return (*norms, *(lin.weight for lin in linears)), "gemv", tuple(lin.out_features for lin in linears)
+    packed, form, _ = layer_weights(layer)  # for inputs too large to reduce (GEMV_INPUT_BYTES), shared
+    mats = (*(lin.weight for lin in linears), *(packed[2:] if form == "packed" else ()))
+    return (*norms, *mats), "gemv", tuple(lin.out_features for lin in linears)
 
 
 def int8_layer_weights(layer: torch.nn.Module) -> LayerWeights | None:
@@ -238,25 +250,32 @@ def decoder_layer(
 ) -> torch.Tensor:
     """One Llama decoder layer over ``h`` [rows, n, hidden] (transformers' ``LlamaDecoderLayer`` in one
     function): keys and values written at ``slots`` of the buffers, attention over the first
-    ``mask.shape[-1]`` slots. ``weights`` and ``form``: :func:`layer_weights` or :func:`int8_layer_weights`;
-    ``widths``: the output width of each of q, k, v, o, gate, up and down."""
+    ``mask.shape[-1]`` slots. ``weights`` and ``form``: :func:`layer_weights`, :func:`int8_layer_weights`
+    or :func:`gemv_layer_weights`; ``widths``: the output width of each of q, k, v, o, gate, up and down."""
     q_n, k_n, v_n, o_n, g_n, u_n, d_n = widths
     rows, n, _ = h.shape
     mats = weights[2:]
-    fused = form in ("packed", "int8")  # q, k and v in one product, gate and up in one
+    packed = mats[7:] if form == "gemv" else mats  # the gemv form's packed products, where it has them
+
+    def fused(x: torch.Tensor) -> bool:
+        """Whether x's products are the fused ones (q, k and v in one product, gate and up in one): always
+        in the packed and int8 forms, in the gemv form for an input too large to reduce."""
+        if form == "gemv":
+            return bool(packed) and x.shape[-2] * x.shape[-1] * x.element_size() > GEMV_INPUT_BYTES
+        return form in ("packed", "int8")
 
     def product(x: torch.Tensor, i: int, width: int) -> torch.Tensor:
         """The i-th product of the fused forms: q, k and v; o; gate and up; down (see layer_weights)."""
         if form == "int8":
             return int8_linear(x, mats[2 * i], mats[2 * i + 1], width)
-        return packed_linear(x, mats[i], width)
+        return packed_linear(x, packed[i], width)
 
     def separate(x: torch.Tensor, j: int) -> torch.Tensor:
         """The j-th of q, k, v, o, gate, up and down in the plain and gemv forms."""
         return F.linear(x, mats[j]) if form == "plain" else _gemv(x, mats[j])
 
     x = _rms_norm(h, weights[0], eps)
-    if fused:
+    if fused(x):
         q, k, v = product(x, 0, q_n + k_n + v_n).split([q_n, k_n, v_n], dim=-1)
     else:
         q, k, v = separate(x, 0), separate(x, 1), separate(x, 2)
@@ -267,12 +286,14 @@ def decoder_layer(
     k_buf.index_copy_(2, slots, k)
     v_buf.index_copy_(2, slots, v)
     o = _attention(q, k_buf, v_buf, mask, scaling).transpose(1, 2).reshape(rows, n, -1)
-    h = h + (product(o, 1, o_n) if fused else separate(o, 3))
+    h = h + (product(o, 1, o_n) if fused(o) else separate(o, 3))
     x = _rms_norm(h, weights[1], eps)
-    if not fused:
-        return h + separate(F.silu(separate(x, 4)) * separate(x, 5), 6)
-    gate, up = product(x, 2, g_n + u_n).split([g_n, u_n], dim=-1)
-    return h + product(F.silu(gate) * up, 3, d_n)
+    if fused(x):
+        gate, up = product(x, 2, g_n + u_n).split([g_n, u_n], dim=-1)
+    else:
+        gate, up = separate(x, 4), separate(x, 5)
+    y = F.silu(gate) * up
+    return h + (product(y, 3, d_n) if fused(y) else separate(y, 6))
 
 
 def _attention(
@@ -436,7 +457,8 @@ def llama_forward(
         h = run(h, cos, sin, mask, slots, keys[part], values[part], layers[part], attn.head_dim, attn.scaling, eps)
     last = h[:, -keep:]
     lm_head = getattr(model, "lm_head", None)
-    if compiled and gemv and head(model) is lm_head and getattr(lm_head, "bias", 0) is None:
+    small = last.shape[-2] * last.shape[-1] * last.element_size() <= GEMV_INPUT_BYTES
+    if compiled and gemv and small and head(model) is lm_head and getattr(lm_head, "bias", 0) is None:
         return compiled_gemv_logits(last, inner.norm.weight, inner.norm.variance_epsilon, lm_head.weight)
     return head(model)(inner.norm(last))
 
