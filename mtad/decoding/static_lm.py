@@ -297,7 +297,7 @@ def one_row_layers(model: torch.nn.Module) -> tuple[list | None, int]:
     return None, 0
 
 
-def products(pair: ModelPair) -> dict[str, dict[str, str]]:
+def products(pair: ModelPair) -> dict[str, dict[str, str | int]]:
     """How each model of a pair on the compiled engine multiplies (``int8``, ``gemv``, ``packed`` for
     oneDNN's packed products, ``plain``): in one row up to ``one_row_tokens`` tokens, and otherwise; what
     the bench records beside the linear kernels. Empty on the eager engine."""

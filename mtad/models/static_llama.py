@@ -165,7 +165,7 @@ GEMV_INPUT_BYTES = 24 * 1024
 """The most bytes of input a product in the ``gemv`` form reduces against a matrix; a larger one takes the
 packed product. The reduction keeps every token's input in the core's first-level cache while the matrix
 streams past: SmolLM2's down projection (1,536 inputs, fp32, emulated AVX2 on a Zen 4 with 48 KiB of it)
-took 114 µs for four tokens (24 KiB) and 215 µs for five (30 KiB), where oneDNN took 133-150 µs; a
+took 114 µs for four tokens (24 KiB; oneDNN 150) and 196-215 µs for five (30 KiB; oneDNN 116-133); a
 five-token forward 22.1 -> 20.9 ms with that product packed, a four-token one 17.3 -> 18.8 ms (journal)."""
 
 
