@@ -169,6 +169,12 @@ took 114 µs for four tokens (24 KiB; oneDNN 150) and 196-215 µs for five (30 K
 five-token forward 22.1 -> 20.9 ms with that product packed, a four-token one 17.3 -> 18.8 ms (journal)."""
 
 
+def _reducible(x: torch.Tensor) -> bool:
+    """Whether ``x`` [..., tokens, width] is small enough for the ``gemv`` form's reductions
+    (:data:`GEMV_INPUT_BYTES`)."""
+    return x.shape[-2] * x.shape[-1] * x.element_size() <= GEMV_INPUT_BYTES
+
+
 @functools.cache
 def gemv_tokens(dtype: torch.dtype) -> int:
     """The most tokens of one row whose CPU forward in ``dtype`` takes the ``gemv`` form
@@ -261,7 +267,7 @@ def decoder_layer(
         """Whether x's products are the fused ones (q, k and v in one product, gate and up in one): always
         in the packed and int8 forms, in the gemv form for an input too large to reduce."""
         if form == "gemv":
-            return bool(packed) and x.shape[-2] * x.shape[-1] * x.element_size() > GEMV_INPUT_BYTES
+            return bool(packed) and not _reducible(x)
         return form in ("packed", "int8")
 
     def product(x: torch.Tensor, i: int, width: int) -> torch.Tensor:
@@ -457,8 +463,7 @@ def llama_forward(
         h = run(h, cos, sin, mask, slots, keys[part], values[part], layers[part], attn.head_dim, attn.scaling, eps)
     last = h[:, -keep:]
     lm_head = getattr(model, "lm_head", None)
-    small = last.shape[-2] * last.shape[-1] * last.element_size() <= GEMV_INPUT_BYTES
-    if compiled and gemv and small and head(model) is lm_head and getattr(lm_head, "bias", 0) is None:
+    if compiled and gemv and _reducible(last) and head(model) is lm_head and getattr(lm_head, "bias", 0) is None:
         return compiled_gemv_logits(last, inner.norm.weight, inner.norm.variance_epsilon, lm_head.weight)
     return head(model)(inner.norm(last))
 
