@@ -1,6 +1,7 @@
 """Each decoder iteration reads the device exactly once (``to_host``): counted on this CPU by intercepting every
 host read torch offers (``_local_scalar_dense``, behind ``.item()``, ``bool()``, ``int()`` and indexing with a
-0-d tensor; ``.tolist()``, ``.cpu()``, ``.numpy()``), and on a GPU with ``torch.cuda.set_sync_debug_mode``."""
+0-d tensor; ``.tolist()``, ``.cpu()``, ``.numpy()``) and a number written into one element (a blocking copy in
+on a GPU), and on a GPU with ``torch.cuda.set_sync_debug_mode``."""
 
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ from mtad.settings import Settings
 
 
 class _ScalarReads(TorchDispatchMode):
-    """Counts ``aten._local_scalar_dense``: what every tensor-to-Python-number conversion runs."""
+    """Counts ``aten._local_scalar_dense``, what every tensor-to-Python-number conversion runs, and a number
+    written into one element (``t[i] = 0.0``: a ``copy_`` from a 0-d host tensor, a blocking host-to-device
+    copy on a GPU, which ``set_sync_debug_mode`` counts as a sync)."""
 
     def __init__(self, counts: Counter) -> None:
         super().__init__()
@@ -29,6 +32,8 @@ class _ScalarReads(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         if func is torch.ops.aten._local_scalar_dense.default:
             self.counts["scalar"] += 1
+        elif func is torch.ops.aten.copy_.default and args[0].dim() == 0 and args[1].dim() == 0:
+            self.counts["scalar_write"] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -65,7 +70,9 @@ def test_the_counter_sees_every_kind_of_host_read(monkeypatch: pytest.MonkeyPatc
         x.sum().item()
         x.tolist()
         x.index_select(0, i.view(1))  # device-side: no read
-    assert counts == Counter(scalar=4, tolist=1)
+        x[1] = 7.0
+        x.narrow(0, 2, 1).fill_(7.0)  # the number a kernel argument: no copy
+    assert counts == Counter(scalar=4, tolist=1, scalar_write=1)
 
 
 def test_the_warps_read_the_host_only_on_the_cpu() -> None:

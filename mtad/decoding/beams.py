@@ -67,7 +67,9 @@ def beam_search(st: DecodeState, lm: CachedLM, g: int, stop_at_eos: bool = False
             raise ValueError("stop_at_eos needs a model without a shortlist head")
         eos = sorted(st.eos_ids)  # Python ints: no host-to-device copy, no host read
         pad = torch.full((1, lm.vocab), float("-inf"), device=dev)
-        pad[0, eos[0]] = 0.0  # a finished beam's only continuation: EOS again, at no cost
+        # a finished beam's only continuation: EOS again, at no cost (``fill_`` takes the number as a kernel
+        # argument; ``pad[0, i] = 0.0`` would copy a host scalar in, a host sync on a GPU)
+        pad.narrow(1, eos[0], 1).fill_(0.0)
     for s in range(g):
         logits = st.run_next(lm, tokens)  # [B, C] over the model's columns
         k = min(width, logits.numel())
