@@ -144,3 +144,20 @@ def test_one_cuda_sync_per_iteration(method: str, engine: str) -> None:
         torch.cuda.set_sync_debug_mode("default")
     syncs = [w for w in caught if "synchronizing" in str(w.message)]
     assert len(syncs) == len(steps), [str(w.message) for w in syncs[:5]]
+
+
+OWN_LOOPS = sorted(m for m in DECODERS if m != "hf-assisted")  # hf-assisted runs transformers' own loop
+
+
+@pytest.mark.parametrize("method", OWN_LOOPS)
+def test_no_decoder_writes_a_host_number_into_a_device_tensor(
+    monkeypatch: pytest.MonkeyPatch, embedded, method: str
+) -> None:
+    """Every decoder, the ones whose host reads differ from one an iteration too: no ``t[i] = number``,
+    which on a GPU is a blocking copy in, a sync the iteration's count does not allow for."""
+    settings = Settings(method=method, max_new_tokens=40, gamma=3, beams=3, tau=0.1, seed=1)
+    st = DecodeState.start(embedded, embedded.encode("def add(a, b):\n    "), settings)
+    for _ in range(4):
+        with host_reads(monkeypatch) as counts:
+            DECODERS[method].step(st)
+        assert counts["scalar_write"] == 0, counts
