@@ -20,6 +20,7 @@ from mtad.decoding.state import CachedLM, DecodeState, draft_lm
 from mtad.decoding.static_lm import StaticLM
 from mtad.models.errors import PairError
 from mtad.models.kernels import candidates, use_linear_kernel
+from mtad.models.shortlist_draft import int8_kernel_input
 from mtad.models.static_llama import _attention, layers_per_call, resolve_engine, supports
 from mtad.settings import PARAMS, Settings
 
@@ -500,7 +501,10 @@ def test_how_many_tokens_of_one_row_take_the_gemv_form(monkeypatch: pytest.Monke
     draft = micro_int8_pair.draft
     assert static_llama.gemv_layer_weights(draft.model.layers[0]) is None
     lm = StaticLM(draft, micro_int8_pair.vocab_size)
-    assert lm.one_row is None and lm.one_row_tokens == 0  # fp32 int8: the dequantised products
+    if int8_kernel_input(torch.float32) is None:  # fp32 int8: the dequantised products
+        assert lm.one_row is None and lm.one_row_tokens == 0
+    else:  # fp32 rounded to bf16 for the int8 kernel, one token
+        assert {form for _, form, _ in lm.one_row} == {"int8"} and lm.one_row_tokens == 1
 
 
 def test_greedy_decoders_verifying_in_the_gemv_form_equal_greedy_ar(
@@ -526,7 +530,8 @@ def test_greedy_decoders_verifying_in_the_gemv_form_equal_greedy_ar(
 
 def test_the_bench_records_how_each_model_multiplies(tiny_pair, micro_int8_pair) -> None:  # noqa: F811
     """``bench.json``'s environment names each compiled model's products, in one row up to some tokens and
-    otherwise: the gemv form for an fp32 model, the int8 kernel for an int8 draft's one token in bf16;
+    otherwise: the gemv form for an fp32 model, the int8 kernel for an int8 draft's one token in bf16 (and
+    in fp32 where :func:`~mtad.models.shortlist_draft.int8_kernel_input` rounds it to bf16);
     nothing on the eager engine."""
     from mtad.bench.report import environment
     from mtad.decoding.static_lm import products
@@ -541,8 +546,10 @@ def test_the_bench_records_how_each_model_multiplies(tiny_pair, micro_int8_pair)
     assert products(dataclasses.replace(tiny_pair, engine="eager")) == {}
     int8 = dataclasses.replace(micro_int8_pair, engine="compiled")
     draft = products(int8)["draft"]
-    assert draft["one_row"] == draft["several"] != "gemv"  # fp32 int8 layers: their dequantised products
-    assert draft["one_row_tokens"] == 0
+    if int8_kernel_input(torch.float32) is None:  # fp32 int8 layers: their dequantised products
+        assert draft["one_row"] == draft["several"] != "gemv" and draft["one_row_tokens"] == 0
+    else:  # one row rounded to bf16 for the int8 kernel
+        assert draft["one_row"] == "int8" != draft["several"] and draft["one_row_tokens"] == 1
     int8 = dataclasses.replace(int8, draft=copy.deepcopy(micro_int8_pair.draft).to(torch.bfloat16))
     assert products(int8)["draft"]["one_row"] == "int8" and products(int8)["draft"]["one_row_tokens"] == 1
 
@@ -592,13 +599,15 @@ def test_an_int8_draft_s_one_row_bf16_forward_multiplies_with_the_int8_kernel_on
     """In bf16 on a CPU an int8 draft's one-token, one-row forward reads its int8 matrices on the compiled
     engine as on the eager one (half the bytes of its dequantised bf16 matrices): the compiled logits equal
     the eager ones to bf16 rounding, and the product operator equals the int8 layer it stands for exactly;
-    several rows, and fp32, keep the dequantised matrices."""
+    several rows keep the dequantised matrices. fp32 does the same where its row enters the kernel rounded to
+    bf16 (:func:`~mtad.models.shortlist_draft.int8_kernel_input`), else keeps the dequantised matrices."""
     from mtad.models.shortlist_draft import Int8Linear
     from mtad.models.static_llama import int8_layer_weights, int8_linear
 
     draft = copy.deepcopy(micro_int8_pair.draft).to(torch.bfloat16)
     layer = draft.model.layers[0]
-    assert int8_layer_weights(micro_int8_pair.draft.model.layers[0]) is None  # fp32: the dense form
+    fp32 = int8_layer_weights(micro_int8_pair.draft.model.layers[0])
+    assert (fp32 is None) == (int8_kernel_input(torch.float32) is None)
     weights, form, widths = int8_layer_weights(layer)
     assert form == "int8" and weights[2].dtype == torch.int8 and weights[3].dtype == torch.bfloat16
     x = torch.randn(1, 1, draft.config.hidden_size, dtype=torch.bfloat16)
@@ -620,6 +629,18 @@ def test_an_int8_draft_s_one_row_bf16_forward_multiplies_with_the_int8_kernel_on
     with torch.profiler.profile() as prof:
         static.feed(torch.tensor([[5], [6]]), columns=True)
     assert not any(e.name == "mtad::int8_linear" for e in prof.events())
+    if fp32 is None:
+        return
+    draft = micro_int8_pair.draft  # fp32, its one row rounded to bf16 for the kernel
+    assert fp32[1] == "int8" and fp32[0][2].dtype == torch.int8 and fp32[0][3].dtype == torch.bfloat16
+    static, cached = StaticLM(draft, micro_int8_pair.vocab_size), CachedLM(draft, micro_int8_pair.vocab_size)
+    static.feed(ids), cached.feed(ids)
+    for token in (5, 6):
+        with torch.profiler.profile() as prof:
+            got = static.feed(torch.tensor([[token]]), columns=True)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, cached.feed(torch.tensor([[token]]), columns=True), rtol=5e-2, atol=1e-1)
+        assert any(e.name == "mtad::int8_linear" for e in prof.events()), "the int8 kernel did not run"
 
 
 ONE_ENGINE_RUN = """

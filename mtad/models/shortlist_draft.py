@@ -18,6 +18,7 @@ without ``trust_remote_code``: the code is this library's, not the checkpoint's.
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -76,16 +77,32 @@ class ShortlistEmbedding(nn.Module):
         return F.embedding(self.row_of[input_ids], self.weight)
 
 
+@functools.cache
+def int8_kernel_input(dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype one row in ``dtype`` enters PyTorch's int8-weight kernel as on this CPU, None where it
+    multiplies the dequantised matrix instead: bf16 as it is; fp32 rounded to bf16 where PyTorch runs AVX2
+    or AVX-512 code, whose int8 kernel is vectorised for bf16 input and not for fp32 (journal, 2026-11-26:
+    the smollm2 draft's head at one row 1.19 ms dense fp32, 0.20 ms so, on emulated AVX2; the draft's
+    one-row forward 1.4-2.5 ms against 0.8-1.8 with AVX2 and AVX-512); elsewhere unmeasured, so None.
+    The draft's q is then what that rounded product gives, which every rule uses as it is."""
+    if dtype == torch.bfloat16:
+        return dtype
+    if dtype == torch.float32 and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        return torch.bfloat16
+    return None
+
+
 class Int8Linear(nn.Module):
     """A bias-free linear layer with int8 weights and one scale per output row (symmetric, per-channel,
     weight-only quantisation); activations and outputs keep the model's dtype.
 
-    One bf16 row on the CPU (SD's drafting) runs PyTorch's own int8-weight kernel
-    (``aten._weight_int8pack_mm``), which reads half the bytes of a bf16 product. Several rows (beams,
-    prefill), fp32 and other devices multiply by the dequantised matrix, kept after its first use: the
-    int8 kernel is slower than the dense bf16 product from two rows on (MTAD's beams), and with fp32
-    activations at any size. That dense product runs the kernel :mod:`mtad.models.kernels` chose for the model
-    (``kernel``: oneDNN with the dense matrix prepacked, else the weight-first product)."""
+    One row on the CPU (SD's drafting) runs PyTorch's own int8-weight kernel (``aten._weight_int8pack_mm``),
+    which reads half the bytes of a bf16 product and a quarter of an fp32 one, with its input as
+    :func:`int8_kernel_input` says (fp32 rounded to bf16). Several rows (beams, prefill), other CPUs and other
+    devices multiply by the dequantised matrix, kept after its first use: the int8 kernel is slower than the
+    dense bf16 product from two rows on (MTAD's beams), and with fp32 input at any size. That dense product
+    runs the kernel :mod:`mtad.models.kernels` chose for the model (``kernel``: oneDNN with the dense matrix
+    prepacked, else the weight-first product)."""
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
@@ -125,13 +142,14 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if x.device.type == "cpu" and x.dtype == torch.bfloat16 and flat.shape[0] == 1:
+        kernel_input = int8_kernel_input(x.dtype) if x.device.type == "cpu" and flat.shape[0] == 1 else None
+        if kernel_input is not None:
             if self.qweight.data_ptr() % 64:
                 # weights mapped from the checkpoint file at an odd offset crashed the kernel (80 rows,
                 # torch 2.13); a copy from PyTorch's allocator is 64-byte aligned
                 self.qweight = self.qweight.clone()
-            scale = self._keep("scale", x.dtype, lambda: self.scale.to(x.dtype))
-            out = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, scale)
+            scale = self._keep("scale", kernel_input, lambda: self.scale.to(kernel_input))
+            out = torch.ops.aten._weight_int8pack_mm(flat.to(kernel_input), self.qweight, scale).to(x.dtype)
         elif self.kernel == "onednn" and x.device.type == "cpu" and not x.requires_grad:
             packed = self._keep(
                 "onednn", x.dtype, lambda: torch.ops.mkldnn._reorder_linear_weight(self.dense(x.dtype), None)

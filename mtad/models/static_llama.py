@@ -20,6 +20,7 @@ import torch._dynamo
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 from torch.nn import functional as F
 
+from mtad.models import shortlist_draft
 from mtad.models.devices import cpu_flags
 from mtad.models.errors import PairError
 
@@ -91,8 +92,8 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> 
 
 @torch.library.impl("mtad::int8_linear", "CompositeExplicitAutograd")
 def _int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, out_features: int) -> torch.Tensor:
-    flat = x.reshape(-1, x.shape[-1]).contiguous()
-    return torch.ops.aten._weight_int8pack_mm(flat, qweight, scale).reshape(*x.shape[:-1], out_features)
+    flat = x.reshape(-1, x.shape[-1]).contiguous().to(scale.dtype)  # the kernel's input dtype: the scales'
+    return torch.ops.aten._weight_int8pack_mm(flat, qweight, scale).to(x.dtype).reshape(*x.shape[:-1], out_features)
 
 
 @torch.library.register_fake("mtad::packed_linear")
@@ -209,17 +210,19 @@ def gemv_layer_weights(layer: torch.nn.Module) -> LayerWeights | None:
 
 
 def int8_layer_weights(layer: torch.nn.Module) -> LayerWeights | None:
-    """An int8 layer's tensors for a one-row bf16 CPU forward, in the ``int8`` form: the two norms, then q, k
-    and v as one int8 matrix and its row scales, o's, gate and up as one, and down's; None unless every
-    product of the layer is an int8 one (a shortlist draft's) in bf16 on a CPU, where the eager engine too
-    multiplies one row with the int8 kernel (and, right after a target forward has pushed the draft's
-    weights out of the cache, reading half the bytes is what counts)."""
+    """An int8 layer's tensors for a one-row CPU forward, in the ``int8`` form: the two norms, then q, k and v
+    as one int8 matrix and its row scales (in the kernel's input dtype), o's, gate and up as one, and down's;
+    None unless every product of the layer is an int8 one (a shortlist draft's) on a CPU whose int8 kernel
+    takes the layer's dtype (:func:`~mtad.models.shortlist_draft.int8_kernel_input`), where the eager engine
+    too multiplies one row with that kernel (and, right after a target forward has pushed the draft's weights
+    out of the cache, reading fewer bytes is what counts)."""
     linears, norms = _parts(layer)
-    if norms[0].dtype != torch.bfloat16 or norms[0].device.type != "cpu":
+    kernel_input = shortlist_draft.int8_kernel_input(norms[0].dtype)
+    if kernel_input is None or norms[0].device.type != "cpu":
         return None
     if not all(hasattr(lin, "qweight") for lin in linears):
         return None
-    stamp = tuple((lin.qweight.data_ptr(), lin.scale.data_ptr()) for lin in linears)
+    stamp = (kernel_input, *((lin.qweight.data_ptr(), lin.scale.data_ptr()) for lin in linears))
     kept = layer.__dict__.get("_mtad_int8")
     if kept is None or kept[0] != stamp:  # made once per layer and weights, not per generation
         with torch.inference_mode():
@@ -227,7 +230,7 @@ def int8_layer_weights(layer: torch.nn.Module) -> LayerWeights | None:
             for group in (linears[:3], linears[3:4], linears[4:6], linears[6:]):
                 # a concatenation is a fresh tensor from PyTorch's allocator, 64-byte aligned as the kernel needs
                 tensors.append(torch.cat([lin.qweight for lin in group]))
-                tensors.append(torch.cat([lin.scale for lin in group]).to(torch.bfloat16))
+                tensors.append(torch.cat([lin.scale for lin in group]).to(kernel_input))
         kept = layer.__dict__["_mtad_int8"] = (stamp, tuple(tensors))
     return (*norms, *kept[1]), "int8", tuple(lin.out_features for lin in linears)
 
