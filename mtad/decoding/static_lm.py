@@ -285,9 +285,9 @@ class StaticLM:
 def one_row_layers(model: torch.nn.Module) -> tuple[list | None, int]:
     """The layers' tensors a one-row forward of a few tokens multiplies by when they differ from every other
     forward's, and up to how many tokens: an int8 draft's for the int8 kernel where it takes the draft's
-    dtype (bf16, or fp32 rounded to bf16 on AVX2 and AVX-512), one token, as on the eager engine; a plain model's for inductor's reductions (the ``gemv`` form), as many tokens as
-    measured faster for its dtype on this CPU (:func:`~mtad.models.static_llama.gemv_tokens`); else
-    (None, 0)."""
+    dtype (bf16, or fp32 rounded to bf16 on AVX2 and AVX-512), one token, as on the eager engine; a plain
+    model's for inductor's reductions (the ``gemv`` form), as many tokens as measured faster for its dtype on
+    this CPU (:func:`~mtad.models.static_llama.gemv_tokens`); else (None, 0)."""
     int8 = [int8_layer_weights(layer) for layer in model.model.layers]
     if all(int8):
         return int8, 1

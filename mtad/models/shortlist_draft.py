@@ -100,7 +100,7 @@ class Int8Linear(nn.Module):
     which reads half the bytes of a bf16 product and a quarter of an fp32 one, with its input as
     :func:`int8_kernel_input` says (fp32 rounded to bf16). Several rows (beams, prefill), other CPUs and other
     devices multiply by the dequantised matrix, kept after its first use: the int8 kernel is slower than the
-    dense bf16 product from two rows on (MTAD's beams), and with fp32 input at any size. That dense product
+    dense bf16 product from two rows on (MTAD's beams), and with unrounded fp32 input at any size. That dense product
     runs the kernel :mod:`mtad.models.kernels` chose for the model (``kernel``: oneDNN with the dense matrix
     prepacked, else the weight-first product)."""
 
