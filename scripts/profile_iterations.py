@@ -21,13 +21,13 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mtad.decoding import decode  # noqa: E402
-from mtad.models.pair import load_pair  # noqa: E402
+from mtad.models.pair import ModelPair, load_pair  # noqa: E402
 from mtad.settings import Settings  # noqa: E402
 
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
 
 
-def profile_method(pair, ids: list[int], settings: Settings, rows: int) -> str:  # noqa: ANN001
+def profile_method(pair: ModelPair, ids: list[int], settings: Settings, rows: int) -> str:
     """One decoder's report: its timed run per iteration, then its profiled run's launches and top operators."""
     list(decode(pair, ids, settings))
     t0 = time.perf_counter()
