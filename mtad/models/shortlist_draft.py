@@ -92,6 +92,12 @@ def int8_kernel_input(dtype: torch.dtype) -> torch.dtype | None:
     return None
 
 
+def int8_product(flat: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``flat @ (qweight * scale[:, None]).T`` by PyTorch's int8-weight kernel, ``flat`` [rows, in] entering it
+    in ``scale``'s dtype (:func:`int8_kernel_input`) and the product returned in ``flat``'s."""
+    return torch.ops.aten._weight_int8pack_mm(flat.to(scale.dtype), qweight, scale).to(flat.dtype)
+
+
 class Int8Linear(nn.Module):
     """A bias-free linear layer with int8 weights and one scale per output row (symmetric, per-channel,
     weight-only quantisation); activations and outputs keep the model's dtype.
@@ -100,9 +106,9 @@ class Int8Linear(nn.Module):
     which reads half the bytes of a bf16 product and a quarter of an fp32 one, with its input as
     :func:`int8_kernel_input` says (fp32 rounded to bf16). Several rows (beams, prefill), other CPUs and other
     devices multiply by the dequantised matrix, kept after its first use: the int8 kernel is slower than the
-    dense bf16 product from two rows on (MTAD's beams), and with unrounded fp32 input at any size. That dense product
-    runs the kernel :mod:`mtad.models.kernels` chose for the model (``kernel``: oneDNN with the dense matrix
-    prepacked, else the weight-first product)."""
+    dense bf16 product from two rows on (MTAD's beams), and with unrounded fp32 input at any size. That dense
+    product runs the kernel :mod:`mtad.models.kernels` chose for the model (``kernel``: oneDNN with the dense
+    matrix prepacked, else the weight-first product)."""
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
@@ -149,7 +155,7 @@ class Int8Linear(nn.Module):
                 # torch 2.13); a copy from PyTorch's allocator is 64-byte aligned
                 self.qweight = self.qweight.clone()
             scale = self._keep("scale", kernel_input, lambda: self.scale.to(kernel_input))
-            out = torch.ops.aten._weight_int8pack_mm(flat.to(kernel_input), self.qweight, scale).to(x.dtype)
+            out = int8_product(flat, self.qweight, scale)
         elif self.kernel == "onednn" and x.device.type == "cpu" and not x.requires_grad:
             packed = self._keep(
                 "onednn", x.dtype, lambda: torch.ops.mkldnn._reorder_linear_weight(self.dense(x.dtype), None)

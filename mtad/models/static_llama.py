@@ -92,8 +92,8 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> 
 
 @torch.library.impl("mtad::int8_linear", "CompositeExplicitAutograd")
 def _int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, out_features: int) -> torch.Tensor:
-    flat = x.reshape(-1, x.shape[-1]).contiguous().to(scale.dtype)  # the kernel's input dtype: the scales'
-    return torch.ops.aten._weight_int8pack_mm(flat, qweight, scale).to(x.dtype).reshape(*x.shape[:-1], out_features)
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    return shortlist_draft.int8_product(flat, qweight, scale).reshape(*x.shape[:-1], out_features)
 
 
 @torch.library.register_fake("mtad::packed_linear")
