@@ -397,14 +397,15 @@ def decoder_layers(
     return h
 
 
+REALIZE_REUSED = {"realize_reads_threshold": 1}
+"""Inductor's options for every compiled forward: keep a value that several kernels read in a buffer. By
+default inductor inlines a cheap one into each reader: in the ``gemv`` form a reduction over a matrix then
+recomputed the norm for every row of the matrix (a five-token output head 22 ms instead of 3), and one-query
+attention recomputed the query's rotary embedding for every key it scores."""
+
 # The layers' weights are inputs, so one graph of a few layers serves every run of that many layers of every
 # model of those shapes: a new (rows, tokens) shape compiles it once, in seconds, not a whole model's graph.
-compiled_layers = torch.compile(decoder_layers)
-
-REALIZE_REUSED = {"realize_reads_threshold": 1}
-"""Inductor's options for the ``gemv`` form: keep a value that several kernels read (a normed input) in a
-buffer. By default inductor inlines a cheap one into each reader, and a reduction over a matrix then
-recomputes the norm for every row of the matrix: a five-token output head 22 ms instead of 3."""
+compiled_layers = torch.compile(decoder_layers, options=REALIZE_REUSED)
 
 
 def gemv_layers(*args: Any) -> torch.Tensor:
