@@ -409,8 +409,8 @@ compiled_layers = torch.compile(decoder_layers, options=REALIZE_REUSED)
 
 
 def gemv_layers(*args: Any) -> torch.Tensor:
-    """:func:`decoder_layers` as the ``gemv`` form compiles it (its own function, so its own compiled
-    code, with :data:`REALIZE_REUSED`)."""
+    """:func:`decoder_layers` as the ``gemv`` form compiles it: its own function, so its compiled code sits
+    apart from the other forms' and a call checks only its own cache entries."""
     return decoder_layers(*args)
 
 
