@@ -12,10 +12,33 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from mtad.models.devices import to_device
 from mtad.settings import Settings
 
 
-def warper(settings: Settings) -> LogitsProcessorList:
+class Law(NamedTuple):
+    """What the warps read of a run's :class:`~mtad.settings.Settings`. Made for a device
+    (:meth:`of`), the temperature and top-p are 0-d tensors there: a compiled function takes them as
+    inputs (:mod:`mtad.decoding.fused`), so a visitor's new value runs the same graph, not a new one."""
+
+    is_greedy: bool
+    tempered: bool
+    temperature: float | torch.Tensor
+    top_k: int
+    nucleus: bool
+    top_p: float | torch.Tensor
+
+    @classmethod
+    def of(cls, settings: Settings, device: torch.device | None = None) -> Law:
+        """``settings``' law, its values as Python numbers, or as 0-d fp32 tensors on ``device`` (made once a
+        generation: on a GPU they are a copy from the host)."""
+        t, p = settings.temperature, settings.top_p
+        if device is not None:  # one copy in, without blocking
+            t, p = to_device(torch.tensor([t, p], dtype=torch.float32), device).unbind()
+        return cls(settings.is_greedy, settings.tempered, t, settings.top_k, settings.nucleus, p)
+
+
+def warper(settings: Settings | Law) -> LogitsProcessorList:
     """transformers' own warpers in the paper's order: temperature, top-k, top-p."""
     procs = LogitsProcessorList()
     if settings.is_greedy:
@@ -29,7 +52,7 @@ def warper(settings: Settings) -> LogitsProcessorList:
     return procs
 
 
-def log_probs(logits: torch.Tensor, settings: Settings) -> torch.Tensor:
+def log_probs(logits: torch.Tensor, settings: Settings | Law) -> torch.Tensor:
     """Log-probabilities the run samples from and judges with, over the last dim.
 
     Sampling: log softmax of the warped logits (filtered tokens get -inf), normalised by the kept mass that
@@ -78,8 +101,9 @@ def _law(
 
 def _none_on_cpu(t: torch.Tensor) -> bool:
     """Whether ``t`` is all zero (False) where reading that is free: on the CPU. On a GPU the read would
-    wait for the device, so there the answer is always False and the caller takes its general path."""
-    return t.device.type == "cpu" and not t.any()
+    wait for the device, and in a compiled graph it cannot happen, so there the answer is always False and
+    the caller takes its general path."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling() and not t.any()
 
 
 def _fp32(t: torch.Tensor) -> torch.Tensor:
@@ -87,7 +111,7 @@ def _fp32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 else t.float()
 
 
-def warp(logits: torch.Tensor, settings: Settings) -> torch.Tensor:
+def warp(logits: torch.Tensor, settings: Settings | Law) -> torch.Tensor:
     """Temperature, then top-k, then top-p on [rows, V] logits, as transformers' warpers do.
 
     With top-k on (the paper's k=20), top-p only has to look at the top-k survivors: one ``topk``
@@ -121,7 +145,7 @@ TIES_SEEN = 16
 (bf16 logits of a 49,152-token vocabulary had at most 7 in 2,000 random rows)."""
 
 
-def _top_list(logits: torch.Tensor, settings: Settings) -> TopList | None:
+def _top_list(logits: torch.Tensor, settings: Settings | Law) -> TopList | None:
     """Top-k, then top-p on its list and the k-th logit's ties it left out (they hold mass): what
     :func:`log_probs`, :func:`top_log_probs` and :class:`RowLaws` read the law from; None where top-k is off.
 
@@ -132,7 +156,7 @@ def _top_list(logits: torch.Tensor, settings: Settings) -> TopList | None:
     width = logits.shape[-1]
     if not 0 < settings.top_k < width:
         return None
-    x = logits if settings.temperature == 1.0 else logits / settings.temperature
+    x = logits / settings.temperature if settings.tempered else logits
     k = settings.top_k
     vals, idx = x.topk(min(k + TIES_SEEN, width), dim=-1)
     vals, idx, beyond = vals[..., :k], idx[..., :k], vals[..., k:]
@@ -165,7 +189,7 @@ class RowLaws:
     needs log p of one token per row and the law of the row it stops at. The same top-k list, ties and
     top-p cut as :func:`log_probs`, so the values are the same, bit for bit."""
 
-    def __init__(self, logits: torch.Tensor, settings: Settings) -> None:
+    def __init__(self, logits: torch.Tensor, settings: Settings | Law) -> None:
         self.top = None if settings.is_greedy else _top_list(_fp32(logits), settings)
         self.full = log_probs(logits, settings) if self.top is None else None  # whole rows: greedy, or no top-k
 
@@ -205,7 +229,7 @@ class RowLaws:
         return _law(top.x, *map(pick_row, fields), at=i)[0]
 
 
-def top_log_probs(logits: torch.Tensor, settings: Settings, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+def top_log_probs(logits: torch.Tensor, settings: Settings | Law, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The ``n`` first tokens of each row of [rows, V] ``logits`` in the warped law's order and their log p
     under it (-inf where top-p drops them), without the whole rows' law: what a beam step needs.
 
@@ -222,7 +246,7 @@ def top_log_probs(logits: torch.Tensor, settings: Settings, n: int) -> tuple[tor
 
 
 def _top_p_on_list(
-    vals: torch.Tensor, left_out: torch.Tensor, settings: Settings
+    vals: torch.Tensor, left_out: torch.Tensor, settings: Settings | Law
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """Top-p on a sorted top-k list ``vals`` [rows, k] followed by ``left_out`` [rows, 1] more tokens tied with
     its last: which of the list it keeps (None: all, top-p off), how many of the left-out ties [rows, 1], and
@@ -236,7 +260,7 @@ def _top_p_on_list(
     weights = vals.sub(top).exp_()
     tie_weight = weights[..., -1:]
     total = weights.sum(dim=-1, keepdim=True).add_(left_out * tie_weight)
-    if top_p >= 1.0:
+    if not settings.nucleus:
         return None, left_out, total.log_().add_(top)
     probs = weights / total
     keep_top = probs.cumsum(dim=-1).sub_(probs) < top_p
@@ -247,11 +271,16 @@ def _top_p_on_list(
     return keep_top, kept_ties, mass.log_().add_(top)
 
 
-def pick(logp: torch.Tensor, settings: Settings, generator: torch.Generator | None) -> torch.Tensor:
+def pick(logp: torch.Tensor, settings: Settings | Law, generator: torch.Generator | None) -> torch.Tensor:
     """One token per row: argmax when greedy, else a draw from exp(logp)."""
-    if settings.is_greedy:
-        return logp.argmax(dim=-1)
-    return sample(probs(logp), generator)
+    u = None if settings.is_greedy else uniforms(logp.shape[:-1], generator, logp.device, logp.dtype)
+    return pick_at(logp, settings, u)
+
+
+def pick_at(logp: torch.Tensor, settings: Settings | Law, u: torch.Tensor | None) -> torch.Tensor:
+    """:func:`pick` with its uniforms ``u`` already drawn (:func:`uniforms`; None when greedy): the draw
+    apart from the generator, so it can run inside a compiled graph (:mod:`mtad.decoding.fused`)."""
+    return logp.argmax(dim=-1) if settings.is_greedy else sample_at(probs(logp), u)
 
 
 def probs(logp: torch.Tensor) -> torch.Tensor:
@@ -271,10 +300,23 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     u uniform in [0, 1), so a zero weight is never drawn. ``torch.multinomial`` draws the same law
     but costs far more over a 49k vocabulary on the CPU.
     """
+    return sample_at(probs, uniforms(probs.shape[:-1], generator, probs.device, probs.dtype))
+
+
+def uniforms(
+    rows: torch.Size, generator: torch.Generator | None, device: torch.device, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """One uniform in [0, 1) per row of ``rows`` (a shape), [..., 1] in the dtype of the weights they will
+    be inverted against (:func:`sample_at`)."""
+    return torch.rand((*rows, 1), generator=generator, device=device, dtype=dtype)
+
+
+def sample_at(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """:func:`sample` with its uniforms ``u`` [..., 1] drawn (:func:`uniforms`)."""
     flat = probs if probs.dim() == 2 else probs.reshape(-1, probs.shape[-1])
     cdf = flat.cumsum(dim=-1)
     total = cdf[:, -1:]
-    u = torch.rand(total.shape, generator=generator, device=flat.device, dtype=cdf.dtype).mul_(total)
+    u = u.reshape(total.shape) * total
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # u * total may round up to total
     drawn = torch.searchsorted(cdf, u, right=True)
     return drawn.view(-1) if probs.dim() == 2 else drawn.reshape(probs.shape[:-1])

@@ -127,6 +127,16 @@ class Settings:
         """Greedy when asked for, or when the temperature is 0 (the T→0 limit)."""
         return self.greedy or self.temperature == 0
 
+    @property
+    def tempered(self) -> bool:
+        """Whether a temperature other than 1 divides the logits."""
+        return self.temperature != 1.0
+
+    @property
+    def nucleus(self) -> bool:
+        """Whether top-p cuts the law (below 1)."""
+        return self.top_p < 1.0
+
     @classmethod
     def for_method(cls, method: str, **fields: object) -> Settings:
         """Settings for ``method`` with its paper defaults (e.g. BiLD's gamma 10); ``fields`` override them."""

@@ -131,14 +131,15 @@ def test_sd_bonus_and_resample_match_target_distribution(bonus_setup: tuple) -> 
 def test_bonus_from_the_wrong_position_is_caught(bonus_setup: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
     """Negative control: the bonus drawn from p[g-1] (the last draft's position) instead of p[g]."""
     pair, ids, law = bonus_setup
-    source = inspect.getsource(speculative.sd_accept)
+    rule = speculative.sd_judge.eager  # SD's rule as written (compiled only on a GPU)
+    source = inspect.getsource(rule)
     target_row = "probs(laws.row(row))"
-    assert source.count(target_row) == 1, "sd_accept no longer takes p at row n: update this control"
+    assert source.count(target_row) == 1, "sd_judge no longer takes p at row n: update this control"
     scope = dict(vars(speculative))
     wrong_row = "probs(laws.row(row - (n == g).long()))"  # row g - 1 where the bonus is drawn
     exec(compile(source.replace(target_row, wrong_row), speculative.__file__, "exec"), scope)
-    # swap the code in place, so every reference to sd_accept (SD's iteration, so the registry too) runs the bug
-    monkeypatch.setattr(speculative.sd_accept, "__code__", scope["sd_accept"].__code__)
+    # swap the code in place, so every reference to the rule (SD's iteration, so the registry too) runs the bug
+    monkeypatch.setattr(rule, "__code__", scope["sd_judge"].eager.__code__)
     counts, kinds = sampled(pair, ids, BONUS)
     assert kinds["bonus"] >= RUNS // 2, kinds
     # caught either way: pairs the warped target gives probability 0, or a misfit

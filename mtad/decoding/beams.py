@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
+from mtad.decoding.fused import fused
 from mtad.decoding.state import CachedLM, DecodeState
-from mtad.sampling import top_log_probs
+from mtad.sampling import Law, log_probs, top_log_probs
 
 
 @dataclass
@@ -70,14 +71,12 @@ def beam_search(st: DecodeState, lm: CachedLM, g: int, stop_at_eos: bool = False
         # a finished beam's only continuation: EOS again, at no cost (``fill_`` takes the number as a kernel
         # argument; ``pad[0, i] = 0.0`` would copy a host scalar in, a host sync on a GPU)
         pad.narrow(1, eos[0], 1).fill_(0.0)
+    plain = not (stochastic or stop_at_eos or raw)
     for s in range(g):
         logits = st.run_next(lm, tokens)  # [B, C] over the model's columns
         k = min(width, logits.numel())
-        # the top k of (beam score + key) over B x C lie among each row's own top k (a row shares
-        # its beam score): two small top-k's instead of one over B x C, a sort-free 3x less work
-        top = None if stochastic or stop_at_eos or raw else top_log_probs(logits, st.settings, min(k, logits.shape[-1]))
-        if top is not None:  # each row's first k under the run's law, without the whole rows' law
-            row_key, row_col = top
+        if plain:
+            beam_scores, parent, col, lp_x = beam_step(logits, beam_scores, st.law, k, fuse=st.fused)
         else:
             lp = st.judged(logits)
             if stop_at_eos:
@@ -86,14 +85,10 @@ def beam_search(st: DecodeState, lm: CachedLM, g: int, stop_at_eos: bool = False
             if stochastic:
                 u = torch.rand(lp.shape, generator=st.generator, device=dev)
                 key = lp + -torch.log(-torch.log(u.clamp_min(1e-20)))
-            row_key, row_col = key.topk(min(k, key.shape[-1]), dim=-1)
-        # take and index_select: a flat or row gather dispatches faster than advanced indexing
-        joint, pick = torch.topk((beam_scores[:, None] + row_key).view(-1), k)
-        parent = pick // row_key.shape[-1]
-        col = row_col.take(pick)
-        lp_x = row_key.take(pick) if top is not None else lp[parent, col]
+            _, _, parent, col = _choose(beam_scores, *key.topk(min(k, key.shape[-1]), dim=-1), k)
+            lp_x = lp[parent, col]
+            beam_scores = beam_scores.index_select(0, parent) + lp_x
         tok = st.tokens_of(lm, col)
-        beam_scores = joint if top is not None else beam_scores.index_select(0, parent) + lp_x
         steps.append(
             (parent, tok, lp_x, torch.log_softmax(logits, dim=-1)[parent, col]) if raw else (parent, tok, lp_x)
         )
@@ -108,6 +103,36 @@ def beam_search(st: DecodeState, lm: CachedLM, g: int, stop_at_eos: bool = False
     lm.cache.select_rows(parent.index_select(0, best.view(1)))
     hist = _histories(steps)
     return Beams(tokens=hist[0], token_logp=hist[1], scores=beam_scores, best=best, token_raw=hist[2] if raw else None)
+
+
+@fused
+def beam_step(
+    logits: torch.Tensor, beam_scores: torch.Tensor, law: Law, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One deterministic beam step after the forward: the ``k`` best of (beam score + log p(next)) over
+    [B, C] ``logits`` under the run's law; their scores, parent rows, columns and log p's. Compiled into a
+    few kernels on a GPU (:mod:`mtad.decoding.fused`)."""
+    n = min(k, logits.shape[-1])
+    top = top_log_probs(logits, law, n)
+    if top is None:  # greedy, or top-k off: the whole rows' law
+        lp = log_probs(logits, law)
+        _, pick, parent, col = _choose(beam_scores, *lp.topk(n, dim=-1), k)
+        lp_x = lp[parent, col]
+        return beam_scores.index_select(0, parent) + lp_x, parent, col, lp_x
+    row_key, row_col = top  # each row's first n under the run's law, without the whole rows' law
+    joint, pick, parent, col = _choose(beam_scores, row_key, row_col, k)
+    return joint, parent, col, row_key.take(pick)
+
+
+def _choose(
+    beam_scores: torch.Tensor, row_key: torch.Tensor, row_col: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ``k`` best of (beam score + key) over every row's listed columns: their joint keys, flat
+    positions, parent rows and columns. The top k over B x C lie among each row's own top k (a row shares
+    its beam score): two small top-k's instead of one over B x C."""
+    # take and index_select: a flat or row gather dispatches faster than advanced indexing
+    joint, pick = torch.topk((beam_scores[:, None] + row_key).view(-1), k)
+    return joint, pick, pick // row_key.shape[-1], row_col.take(pick)
 
 
 def _histories(steps: list[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:

@@ -21,9 +21,10 @@ from typing import Generic, TypeVar
 
 import torch
 
+from mtad.decoding.fused import fused
 from mtad.decoding.state import DecodeState, to_host
 from mtad.events import Step
-from mtad.sampling import pick
+from mtad.sampling import Law, log_probs, pick, pick_at, uniforms
 
 P = TypeVar("P")  # a drafter's proposal
 S = TypeVar("S")  # a verifier's scores
@@ -150,11 +151,17 @@ def iid_draft(st: DecodeState, g: int, m: int = 1, stop: Callable[[torch.Tensor]
     st.draft.cache.fan_out(m)
     tokens = pending.expand(m, -1)
     drafted, q_rows = [], []
+    law = st.law
     for _ in range(g):
-        lq = st.draft_logq(tokens)  # [m, C] over the draft's columns
-        if stop is not None and stop(lq):
-            break
-        tok = st.draft_tokens(pick(lq, st.settings, st.generator))
+        if stop is None:  # [m, C] over the draft's columns, and a column drawn from each row
+            u = None if law.is_greedy else uniforms((m,), st.generator, st.device)
+            lq, col = draw(st.run_draft(tokens), law, u, fuse=st.fused)
+        else:  # the check looks before anything is drawn
+            lq = st.draft_logq(tokens)
+            if stop(lq):
+                break
+            col = pick(lq, st.settings, st.generator)
+        tok = st.draft_tokens(col)
         drafted.append(tok)
         q_rows.append(lq)
         tokens = tok[:, None]
@@ -182,9 +189,20 @@ def verify_context(st: DecodeState, proposal: None) -> torch.Tensor:
 
 def target_token(st: DecodeState, proposal: None, logits: torch.Tensor) -> Verdict:
     """The target's own token: argmax or a draw from its warped law, its unwarped log p for perplexity."""
-    tok = pick(st.judged(logits), st.settings, st.generator)
+    law = st.law
+    u = None if law.is_greedy else uniforms((), st.generator, st.device)
+    _, tok = draw(logits, law, u, fuse=st.fused)
     lp = torch.log_softmax(logits, dim=-1).gather(0, tok.view(1))  # no host read of ``tok``
     return Verdict(draft=None, joint_p=None, joint_q=None, accepted=0, extra=tok, kept_logprobs=lp)
+
+
+@fused
+def draw(logits: torch.Tensor, law: Law, u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The run's law over ``logits`` [..., C] and one column a row drawn from it at uniforms ``u`` [..., 1]
+    (:func:`~mtad.sampling.uniforms`; None when greedy: argmax). Compiled into a few kernels on a GPU
+    (:mod:`mtad.decoding.fused`)."""
+    lp = log_probs(logits, law)
+    return lp, pick_at(lp, law, u)
 
 
 TARGET = Iteration(propose_nothing, verify_context, target_token, room=lambda st: 1)

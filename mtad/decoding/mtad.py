@@ -5,12 +5,13 @@ from __future__ import annotations
 import torch
 
 from mtad.decoding.beams import Beams, beam_draft
+from mtad.decoding.fused import fused
 from mtad.decoding.iteration import Iteration, Verdict
-from mtad.decoding.rules import mtad_accept_length_t
+from mtad.decoding.rules import longest_passing
 from mtad.decoding.spec import MethodSpec
 from mtad.decoding.state import DecodeState, kept_logprobs
 from mtad.events import Step
-from mtad.sampling import RowLaws, pick
+from mtad.sampling import Law, RowLaws, pick_at, uniforms
 from mtad.settings import PARAMS
 
 
@@ -23,15 +24,32 @@ def mtad_accept(st: DecodeState, beams: Beams, logits: torch.Tensor) -> Verdict:
     """Keep the longest prefix eta of the best beam whose joint min(1, p/q) exceeds tau, then the
     target's token at eta + 1; the Step records every beam."""
     draft, lq_x = beams.of_best(beams.tokens), beams.of_best(beams.token_logq)
-    laws = RowLaws(logits, st.settings)
-    joint_p, joint_q = laws.of(draft).cumsum(0), lq_x.cumsum(0)
-    eta = mtad_accept_length_t(joint_p, joint_q, st.settings.tau)
-    extra = pick(laws.row(eta.view(1)), st.settings, st.generator)
-    kept_lp = kept_logprobs(logits, draft, eta, extra)
+    u = None if st.settings.is_greedy else uniforms((), st.generator, logits.device)
+    joint_p, joint_q, eta, extra, kept_lp = judge(logits, draft, lq_x, st.law, st.log_tau, u, fuse=st.fused)
     more = (beams.tokens, beams.scores, beams.best)
     return Verdict(
         draft, joint_p, joint_q, eta, extra, kept_lp, draft_calls=draft.numel(), more=more, record=record_beams
     )
+
+
+@fused
+def judge(
+    logits: torch.Tensor,
+    draft: torch.Tensor,
+    lq_x: torch.Tensor,
+    law: Law,
+    threshold: float | torch.Tensor | None,
+    u: torch.Tensor | None,
+) -> tuple[torch.Tensor, ...]:
+    """MTAD's rule on the target's [g + 1, V] ``logits`` over ``draft`` [g], whose log q's are ``lq_x``,
+    with log τ ``threshold`` (:func:`~mtad.decoding.rules.longest_passing`): the joint log p's and log q's,
+    eta, the target's token at eta + 1 (drawn at uniform ``u``, None when greedy) and the kept tokens'
+    unwarped log p's. Compiled into a few kernels on a GPU (:mod:`mtad.decoding.fused`)."""
+    laws = RowLaws(logits, law)
+    joint_p, joint_q = laws.of(draft).cumsum(0), lq_x.cumsum(0)
+    eta = longest_passing(joint_p, joint_q, threshold)
+    extra = pick_at(laws.row(eta.view(1)), law, u)
+    return joint_p, joint_q, eta, extra, kept_logprobs(logits, draft, eta, extra)
 
 
 def record_beams(step: Step, values: list) -> None:

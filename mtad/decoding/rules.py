@@ -41,11 +41,20 @@ def mtad_accept_length(log_p: Sequence[float], log_q: Sequence[float], tau: floa
 
 def mtad_accept_length_t(joint_p: torch.Tensor, joint_q: torch.Tensor, tau: float) -> torch.Tensor:
     """Device-side twin of :func:`mtad_accept_length` (no host sync): a 0-d long tensor."""
+    return longest_passing(joint_p, joint_q, None if tau >= 1.0 else log_tau(tau))
+
+
+def longest_passing(
+    joint_p: torch.Tensor, joint_q: torch.Tensor, threshold: float | torch.Tensor | None
+) -> torch.Tensor:
+    """:func:`mtad_accept_length_t` with τ given as its log, ``threshold`` (:func:`log_tau`, a number or a
+    0-d tensor; None where nothing passes, τ >= 1): a compiled rule takes a tensor, so that a new τ is an
+    input to its graph, not a new graph."""
     g = joint_p.numel()
-    if tau >= 1.0 or g == 0:
+    if threshold is None or g == 0:
         return torch.zeros((), dtype=torch.long, device=joint_p.device)
     # float64, like the host twin, so re-judging the recorded joints gives the same answer.
-    ok = (joint_p.double() - joint_q.double() > log_tau(tau)) & torch.isfinite(joint_p) & torch.isfinite(joint_q)
+    ok = (joint_p.double() - joint_q.double() > threshold) & torch.isfinite(joint_p) & torch.isfinite(joint_q)
     lengths = torch.arange(1, g + 1, device=joint_p.device)
     return (ok.long() * lengths).max()
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from mtad.decoding.fused import fused
 from mtad.decoding.iteration import Drafts, Iteration, Verdict, iid_draft, verify_row
 from mtad.decoding.rules import sd_accept_length_t
 from mtad.decoding.spec import MethodSpec
 from mtad.decoding.state import DecodeState, kept_logprobs
 from mtad.events import Step
-from mtad.sampling import RowLaws, probs, sample
+from mtad.sampling import Law, RowLaws, probs, sample_at, uniforms
 from mtad.settings import PARAMS
 
 
@@ -22,28 +23,45 @@ def sd_accept(st: DecodeState, drafts: Drafts, logits: torch.Tensor) -> Verdict:
     """Accept draft i with min(1, p/q) until the first rejection; then resample from the residual, or
     after g accepted drafts draw the bonus token from p. Greedy: keep drafts while they are argmax p."""
     draft, log_q = drafts.tokens[0], drafts.log_q[0]
+    law = st.law
+    if law.is_greedy:
+        tests = u = None
+    else:  # the acceptance tests' uniforms, then the one the extra token is drawn at
+        tests = torch.rand(draft.numel(), generator=st.generator, device=st.device)
+        u = uniforms((), st.generator, st.device)
+    lp_x, lq_x, n, extra, kept_lp = sd_judge(logits, draft, log_q, law, tests, u, fuse=st.fused)
+    return Verdict(draft, lp_x.cumsum(0), lq_x.cumsum(0), n, extra, kept_lp, draft_calls=draft.numel(), uniforms=tests)
+
+
+@fused
+def sd_judge(
+    logits: torch.Tensor,
+    draft: torch.Tensor,
+    log_q: torch.Tensor,
+    law: Law,
+    tests: torch.Tensor | None,
+    u: torch.Tensor | None,
+) -> tuple[torch.Tensor, ...]:
+    """SD's rule on the target's [g + 1, V] ``logits`` over ``draft`` [g] drawn from ``log_q`` [g, V], with
+    the acceptance tests' uniforms ``tests`` [g] and the extra token's ``u`` (None when greedy): log p and
+    log q of each draft, how many are kept, the extra token and the kept tokens' unwarped log p's.
+    Compiled into a few kernels on a GPU (:mod:`mtad.decoding.fused`)."""
     g = draft.numel()
-    greedy = st.settings.is_greedy
-    laws = RowLaws(logits, st.settings)
+    laws = RowLaws(logits, law)
     lp_x = laws.of(draft)
     lq_x = log_q.gather(1, draft[:, None])[:, 0]
-    if greedy:
-        uniforms = None
-        n = (laws.full[:g].argmax(dim=-1) == draft).long().cumprod(0).sum()  # greedy: whole rows, T = 1
+    if tests is None:  # greedy: keep drafts while they are argmax p, whole rows at T = 1
+        n = (laws.full[:g].argmax(dim=-1) == draft).long().cumprod(0).sum()
+        extra = laws.full.index_select(0, n.view(1))[0].argmax()
     else:
-        uniforms = torch.rand(g, generator=st.generator, device=st.device)
-        n = sd_accept_length_t(lp_x.exp(), lq_x.exp(), uniforms)
-
-    row = n.view(1)  # index_select, not [0-d tensor] indexing, which reads the index on the host
-    if greedy:
-        extra = laws.full.index_select(0, row)[0].argmax()
-    else:  # only row n's laws: the target's p there, and q there after a rejection (none after g accepted)
+        n = sd_accept_length_t(lp_x.exp(), lq_x.exp(), tests)
+        row = n.view(1)  # index_select, not [0-d tensor] indexing, which reads the index on the host
+        # only row n's laws: the target's p there, and q there after a rejection (none after g accepted)
         p = probs(laws.row(row))
         q = probs(log_q.index_select(0, row.clamp(max=g - 1)))[0] * (n < g)
         table = residual(p, q)  # after g accepted drafts, p itself: the bonus token
-        extra = sample(torch.where(table.sum() > 0, table, p), st.generator)
-    kept_lp = kept_logprobs(logits, draft, n, extra)
-    return Verdict(draft, lp_x.cumsum(0), lq_x.cumsum(0), n, extra, kept_lp, draft_calls=g, uniforms=uniforms)
+        extra = sample_at(torch.where(table.sum() > 0, table, p), u)
+    return lp_x, lq_x, n, extra, kept_logprobs(logits, draft, n, extra)
 
 
 SD = Iteration(propose=iid_draft, verify=verify_row, accept=sd_accept)

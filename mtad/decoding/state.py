@@ -10,12 +10,14 @@ from dataclasses import dataclass, field
 import torch
 
 from mtad.decoding.features import FeatureLM, Features
+from mtad.decoding.fused import fused_enabled
 from mtad.decoding.kv import KVCache
+from mtad.decoding.rules import log_tau
 from mtad.decoding.static_lm import StaticLM, compiles_draft
 from mtad.events import Step
 from mtad.models.devices import to_device
 from mtad.models.pair import ModelPair
-from mtad.sampling import log_probs, make_generator
+from mtad.sampling import Law, log_probs, make_generator
 from mtad.settings import Settings, uses_draft
 
 
@@ -147,6 +149,7 @@ class DecodeState:
     timer: PhaseTimer
     steps_done: int = 0
     started: float = field(default_factory=time.perf_counter)
+    fused: bool = False  # the bookkeeping runs compiled (:mod:`mtad.decoding.fused`)
     spans: dict[str, list[tuple]] = field(default_factory=lambda: {"draft": [], "target": []})
 
     @classmethod
@@ -169,10 +172,27 @@ class DecodeState:
             generator=make_generator(pair.device, settings.seed),
             timer=PhaseTimer(pair.device),
             started=started,
+            fused=fused_enabled(pair) and (settings.is_greedy or settings.top_k > 0),  # top-k off: transformers' warps
         )
         if features is not None:
             st.draft = FeatureLM(pair.draft, pair.vocab_size, features, lambda: st.target.length, st.run_context)
         return st
+
+    @functools.cached_property
+    def law(self) -> Law:
+        """The run's sampling law as the fused bookkeeping takes it: its values 0-d tensors on the device
+        where that runs compiled (:mod:`mtad.decoding.fused`), made once a generation."""
+        return Law.of(self.settings, self.device if self.fused else None)
+
+    @functools.cached_property
+    def log_tau(self) -> float | torch.Tensor | None:
+        """MTAD's threshold as its rule takes it (:func:`~mtad.decoding.rules.longest_passing`): log τ, None
+        where nothing passes (τ >= 1); a 0-d tensor on the device where the rule runs compiled."""
+        tau = self.settings.tau
+        if tau >= 1.0:
+            return None
+        value = log_tau(tau)
+        return to_device(torch.tensor(value, dtype=torch.float64), self.device) if self.fused else value
 
     @property
     def remaining(self) -> int:

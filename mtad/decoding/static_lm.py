@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch._dynamo
 
+from mtad.decoding.fused import fused_enabled
 from mtad.decoding.graphs import ForwardGraphs, graphs_enabled
 from mtad.models.devices import to_device
 from mtad.models.pair import ModelPair
@@ -33,6 +34,7 @@ from mtad.models.static_llama import (
     llama_forward,
     supports,
 )
+from mtad.settings import Settings
 
 COMPILED_TOKENS = FEW_QUERIES
 COMPILED_ROWS = 16
@@ -356,4 +358,19 @@ def warm_up_pair(pair: ModelPair, tokens: int) -> float:
     if compiles_draft(pair):
         warm_up(pair.draft, pair.vocab_size, tokens)
         warm_up(pair.draft, pair.vocab_size, 1, rows=2)
+    if fused_enabled(pair):
+        warm_up_bookkeeping(pair, tokens)
     return time.perf_counter() - t0
+
+
+def warm_up_bookkeeping(pair: ModelPair, tokens: int) -> None:
+    """Compile AR's, SD's and MTAD's fused bookkeeping (:mod:`mtad.decoding.fused`) at the default settings
+    before anyone waits: a short generation of each, drafting up to ``tokens`` − 1 and fewer at its end (a
+    second draft length makes the graphs' shapes dynamic). Other settings compile on first use."""
+    from mtad.decoding import decode  # the decoders import this module
+
+    ids = pair.encode("Say hello.")
+    for method in ("ar", "sd", "mtad"):
+        settings = Settings(method=method, gamma=max(1, tokens - 1), max_new_tokens=2 * tokens + 1)
+        for _ in decode(pair, ids, settings):
+            pass
