@@ -1035,6 +1035,37 @@ def test_a_row_pools_its_runs_acceptance_curve_and_the_table_prints_it():
     assert lines[i + 1] == "  sd  0.50  0.67  0.00" and len(lines) == i + 2
 
 
+def test_perplexity_against_sd_where_neither_text_loops():
+    """The same difference over the runs where neither decoder's text loops: a decoder whose lower perplexity
+    comes from its loops shows it there. Runs pair by prompt, seed and repeat; a loop of either leaves the
+    pair out; the table prints the difference and how many runs it kept."""
+    from mtad.bench.aggregate import aggregate
+    from mtad.bench.report import render_table
+
+    def run(case: str, prompt: int, seed: int, nll: float, repetition: float = 0.0) -> dict:
+        return {**_record(case, prompt, nll, 4), "case": case, "seed": seed, "repeat": 0, "repetition": repetition}
+
+    records = []
+    for p in range(5):
+        for seed in (0, 1):
+            records.append(run("sd", p, seed, 4.0, repetition=0.5 if (p, seed) == (4, 1) else 0.02))
+            loops = seed == 0  # MTAD loops in half its runs, and there its text is very likely
+            records.append(run("mtad", p, seed, 0.4 if loops else 4.4, 0.4 if loops else 0.03))
+    rows = {r["case"]: r for r in aggregate(records)}
+    everything, clean = rows["mtad"]["perplexity_vs_sd"], rows["mtad"]["perplexity_vs_sd_without_loops"]
+    assert everything["difference"] < 0 < clean["difference"]
+    assert clean["difference"] == pytest.approx(math.exp(4.4 / 4) - math.exp(4.0 / 4))
+    assert 0 < clean["low"] and (clean["pairs"], clean["of"], clean["prompts"]) == (4, 10, 4)  # (4, 1): SD loops
+    assert rows["sd"]["perplexity_vs_sd_without_loops"] is None
+    for r in rows.values():
+        r.update(error=None, budget_stopped=False)
+    table = render_table(list(rows.values()))
+    assert (
+        "the same over the runs where neither text loops (>= 15 % repeated 4-grams), and how many those are:" in table
+    )
+    assert f"  mtad  {clean['difference']:+.3f}  [{clean['low']:+.3f}, {clean['high']:+.3f}]  4 of 10" in table
+
+
 def test_perplexity_against_sd_has_an_interval_from_resampling_prompts():
     """Each row's pooled perplexity minus SD's over the common prompts, with a 95 % interval from resampling
     the prompts: it excludes 0 when every prompt agrees on the sign, and spans 0 when one prompt outweighs

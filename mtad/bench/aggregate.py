@@ -53,17 +53,30 @@ def finished_prompts(records: Sequence[dict], runs_per_prompt: int) -> set[int]:
     return set.intersection(*done) if done else set()
 
 
-def perplexity_gap(records: Sequence[dict], case: str, reference: str, prompts: set[int]) -> dict | None:
+def perplexity_gap(
+    records: Sequence[dict], case: str, reference: str, prompts: set[int], without_loops: bool = False
+) -> dict | None:
     """``case``'s pooled perplexity minus ``reference``'s over ``prompts`` (those both finished), with a
     95 % interval from resampling the prompts with replacement (percentile bootstrap, fixed seed): whether
     one decoder's text is more likely to the target than another's beyond the spread of the prompts. None
-    without two prompts."""
+    without two prompts.
+
+    ``without_loops``: only the runs (a prompt, seed and repeat) where neither decoder's text loops
+    (``Metrics.loops``): a loop is likely text because it repeats itself, so a gap that holds here is not
+    the loops'. ``pairs``: the runs of each decoder where neither loops, ``of`` the runs both made."""
+    mine = [r for r in records if r["case"] in (case, reference) and r["prompt_index"] in prompts]
+    runs: dict[str, dict[tuple, dict]] = {case: {}, reference: {}}
+    for r in mine:
+        runs[r["case"]][(r["prompt_index"], r.get("seed", 0), r.get("repeat", 0))] = r
+    paired = sorted(set(runs[case]) & set(runs[reference]))
+    kept = [k for k in paired if not any(Metrics.from_dict(runs[c][k]).loops for c in runs)]
+    if without_loops:
+        mine = [runs[c][k] for c in runs for k in kept]
     totals: dict[str, dict[int, list[float]]] = {case: {}, reference: {}}
-    for r in records:
-        if r["case"] in totals and r["prompt_index"] in prompts:
-            t = totals[r["case"]].setdefault(r["prompt_index"], [0.0, 0])
-            t[0] += r["nll_sum"]
-            t[1] += r["new_tokens"]
+    for r in mine:
+        t = totals[r["case"]].setdefault(r["prompt_index"], [0.0, 0])
+        t[0] += r["nll_sum"]
+        t[1] += r["new_tokens"]
     keys = sorted(set(totals[case]) & set(totals[reference]))
     if len(keys) < 2:
         return None
@@ -80,6 +93,8 @@ def perplexity_gap(records: Sequence[dict], case: str, reference: str, prompts: 
         "low": draws[int(0.025 * DRAWS)],
         "high": draws[int(0.975 * DRAWS) - 1],
         "prompts": len(keys),
+        "pairs": len(kept),
+        "of": len(paired),
     }
 
 
@@ -91,7 +106,8 @@ def aggregate(
     budget_stopped: Sequence[str] = (),
 ) -> list[dict]:
     """One row per case (``cases`` order, then first-seen): the pooled figures, the perplexity over the
-    prompts every case finished and its difference to SD's (:func:`perplexity_gap`), per-run
+    prompts every case finished and its difference to SD's (:func:`perplexity_gap`; also over the runs where
+    neither text loops), per-run
     ``<metric>_mean``/``_std``, and the case's error if it failed."""
     failures = failures or {}
     groups: dict[str, list[dict]] = {c["case"]: [] for c in cases}
@@ -118,7 +134,11 @@ def aggregate(
         row["energy_source"] = first.get("energy_source")
         row["energy_note"] = "; ".join(notes) if notes else None
         row["acceptance_by_position"] = pooled_curve(rs)
-        row["perplexity_vs_sd"] = perplexity_gap(records, label, sd[0], common) if sd and label != sd[0] else None
+        versus_sd = sd and label != sd[0]
+        row["perplexity_vs_sd"] = perplexity_gap(records, label, sd[0], common) if versus_sd else None
+        row["perplexity_vs_sd_without_loops"] = (
+            perplexity_gap(records, label, sd[0], common, without_loops=True) if versus_sd else None
+        )
         row["budget_stopped"] = label in budget_stopped
         row["error"] = failures.get(label)
         rows.append(row)

@@ -21,6 +21,7 @@ from mtad.bench.run import BenchResult
 from mtad.decoding.spec import registry, spec_of
 from mtad.decoding.static_lm import products
 from mtad.events import json_safe
+from mtad.metrics import LOOP_REPETITION, REPEAT_N
 from mtad.models.pair import ModelPair
 
 
@@ -107,6 +108,19 @@ def render_table(aggregates: Sequence[dict], energy_note: str | None = None) -> 
         width = max(len(case) for case, _ in gaps)
         out.extend(
             f"  {case.ljust(width)}  {g['difference']:+.3f}  [{g['low']:+.3f}, {g['high']:+.3f}]" for case, g in gaps
+        )
+    gaps = [
+        (r["case"], r["perplexity_vs_sd_without_loops"]) for r in aggregates if r.get("perplexity_vs_sd_without_loops")
+    ]
+    if gaps:
+        out.append(
+            f"the same over the runs where neither text loops (>= {LOOP_REPETITION * 100:.0f} % repeated {REPEAT_N}-grams), "
+            "and how many those are:"
+        )
+        width = max(len(case) for case, _ in gaps)
+        out.extend(
+            f"  {case.ljust(width)}  {g['difference']:+.3f}  [{g['low']:+.3f}, {g['high']:+.3f}]  {g['pairs']} of {g['of']}"
+            for case, g in gaps
         )
     for r in aggregates:
         if r["error"]:
