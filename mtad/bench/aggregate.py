@@ -106,9 +106,9 @@ def aggregate(
     budget_stopped: Sequence[str] = (),
 ) -> list[dict]:
     """One row per case (``cases`` order, then first-seen): the pooled figures, the perplexity over the
-    prompts every case finished and its difference to SD's (:func:`perplexity_gap`; also over the runs where
-    neither text loops), per-run
-    ``<metric>_mean``/``_std``, and the case's error if it failed."""
+    prompts every case finished and its difference to SD's (:func:`perplexity_gap`, over every run and over
+    the runs where neither text loops), per-run ``<metric>_mean``/``_std``, and the case's error if it
+    failed."""
     failures = failures or {}
     groups: dict[str, list[dict]] = {c["case"]: [] for c in cases}
     for r in records:

@@ -116,7 +116,7 @@ def beam_step(
     top = top_log_probs(logits, law, n)
     if top is None:  # greedy, or top-k off: the whole rows' law
         lp = log_probs(logits, law)
-        _, pick, parent, col = _choose(beam_scores, *lp.topk(n, dim=-1), k)
+        _, _, parent, col = _choose(beam_scores, *lp.topk(n, dim=-1), k)
         lp_x = lp[parent, col]
         return beam_scores.index_select(0, parent) + lp_x, parent, col, lp_x
     row_key, row_col = top  # each row's first n under the run's law, without the whole rows' law
