@@ -14,6 +14,7 @@ import torch
 from test_syncs import host_reads
 from torch._dynamo.testing import CompileCounterWithBackend
 
+from mtad.bench.report import environment
 from mtad.decoding import DECODERS, decode, fused
 from mtad.decoding.beams import beam_step
 from mtad.decoding.iteration import draw
@@ -76,6 +77,9 @@ def test_the_bookkeeping_runs_compiled_on_a_gpu_s_compiled_engine_only(
     monkeypatch.setenv("MTAD_FUSED", "0")
     assert not fused.fused_enabled(on)
     assert not DecodeState.start(close_pair, [1, 2], Settings()).fused
+    assert environment(close_pair, [], None, "none", None)["bookkeeping"] == "as written"
+    monkeypatch.setattr("mtad.bench.report.fused_enabled", lambda pair: True)
+    assert environment(close_pair, [], None, "none", None)["bookkeeping"] == "compiled"  # what the bench records
 
 
 def test_a_function_that_fails_to_compile_runs_as_written(caplog: pytest.LogCaptureFixture) -> None:

@@ -18,6 +18,7 @@ import transformers
 
 from mtad.bench.plots import ar_row, figure1_series, save_sweep_figures
 from mtad.bench.run import BenchResult
+from mtad.decoding.fused import fused_enabled
 from mtad.decoding.spec import registry, spec_of
 from mtad.decoding.static_lm import products
 from mtad.events import json_safe
@@ -183,6 +184,7 @@ def environment(
         "linear_kernels": dict(pair.kernels),
         "engine": pair.engine,
         "compiled_products": products(pair),
+        "bookkeeping": "compiled" if fused_enabled(pair) else "as written",  # mtad.decoding.fused
         "cpu_flags": cpu_flags() if dev.type == "cpu" else None,
         "pair": pair.name,
         "draft_parameters": draft_params,
