@@ -23,15 +23,14 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import torch
 import torch._dynamo
 
+from mtad.models.static_llama import RECOMPILE_LIMIT
+
 if TYPE_CHECKING:
     from mtad.models.pair import ModelPair
 
 R = TypeVar("R")
 log = logging.getLogger(__name__)
 
-RECOMPILE_LIMIT = 32
-"""Graphs dynamo keeps per function (its default is 8): each fused function has a graph for each
-combination of greedy or sampling, top-p on or off, τ below 1 or not, and a first and a dynamic shape."""
 torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
 
 

@@ -397,6 +397,11 @@ def decoder_layers(
     return h
 
 
+RECOMPILE_LIMIT = 64
+"""Graphs dynamo keeps per compiled function (its default is 8): a forward has one per form, row count and
+token count; a fused rule (:mod:`mtad.decoding.fused`) one per combination of greedy or sampling, top-p and
+temperature on or off, τ below 1 or not, and a first and a dynamic shape."""
+
 REALIZE_REUSED = {"realize_reads_threshold": 1}
 """Inductor's options for every compiled forward: keep a value that several kernels read in a buffer. By
 default inductor inlines a cheap one into each reader: in the ``gemv`` form a reduction over a matrix then
@@ -453,7 +458,7 @@ def llama_forward(
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     if compiled:
         cache_per_capability()
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         torch._dynamo.mark_dynamic(mask, 1)  # a longer context is the same graph
         if h.shape[0] > 1:
             torch._dynamo.mark_dynamic(h, 0)  # and so is any count of rows from two on (beams, drafts)
