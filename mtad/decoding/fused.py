@@ -8,9 +8,9 @@ CPU an operation costs its dispatch and a compiled call costs more than the doze
 so there the same function runs as written. Both run one Python function: compiled, it takes the
 general paths that need no host read (``torch.compiler.is_compiling``).
 
-The functions take the run's settings as plain values (:class:`~mtad.sampling.Law`, log τ), so a
-visitor's new temperature, top-p or τ becomes an input of the graph after its first change instead of
-a graph of its own."""
+The functions take the run's temperature, top-p and log τ as 0-d device tensors (``DecodeState.law`` and
+``log_tau``), so a visitor's new value is an input to the graph already compiled: only turning the
+temperature or top-p on or off, or greedy decoding, makes a new one."""
 
 from __future__ import annotations
 
