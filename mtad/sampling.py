@@ -43,11 +43,11 @@ def warper(settings: Settings | Law) -> LogitsProcessorList:
     procs = LogitsProcessorList()
     if settings.is_greedy:
         return procs
-    if settings.temperature != 1.0:
+    if settings.tempered:
         procs.append(TemperatureLogitsWarper(settings.temperature))
     if settings.top_k > 0:
         procs.append(TopKLogitsWarper(settings.top_k))
-    if settings.top_p < 1.0:
+    if settings.nucleus:
         procs.append(TopPLogitsWarper(settings.top_p))
     return procs
 

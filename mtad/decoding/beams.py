@@ -85,9 +85,7 @@ def beam_search(st: DecodeState, lm: CachedLM, g: int, stop_at_eos: bool = False
             if stochastic:
                 u = torch.rand(lp.shape, generator=st.generator, device=dev)
                 key = lp + -torch.log(-torch.log(u.clamp_min(1e-20)))
-            _, _, parent, col = _choose(beam_scores, *key.topk(min(k, key.shape[-1]), dim=-1), k)
-            lp_x = lp[parent, col]
-            beam_scores = beam_scores.index_select(0, parent) + lp_x
+            beam_scores, parent, col, lp_x = _advance(beam_scores, lp, key, k)
         tok = st.tokens_of(lm, col)
         steps.append(
             (parent, tok, lp_x, torch.log_softmax(logits, dim=-1)[parent, col]) if raw else (parent, tok, lp_x)
@@ -116,12 +114,20 @@ def beam_step(
     top = top_log_probs(logits, law, n)
     if top is None:  # greedy, or top-k off: the whole rows' law
         lp = log_probs(logits, law)
-        _, _, parent, col = _choose(beam_scores, *lp.topk(n, dim=-1), k)
-        lp_x = lp[parent, col]
-        return beam_scores.index_select(0, parent) + lp_x, parent, col, lp_x
+        return _advance(beam_scores, lp, lp, k)
     row_key, row_col = top  # each row's first n under the run's law, without the whole rows' law
     joint, pick, parent, col = _choose(beam_scores, row_key, row_col, k)
     return joint, parent, col, row_key.take(pick)
+
+
+def _advance(
+    beam_scores: torch.Tensor, lp: torch.Tensor, key: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ``k`` best of (beam score + ``key``) over whole rows (``key``: ``lp``, the rows' law, or it
+    perturbed): their scores under ``lp``, parent rows, columns and log p's."""
+    _, _, parent, col = _choose(beam_scores, *key.topk(min(k, key.shape[-1]), dim=-1), k)
+    lp_x = lp[parent, col]
+    return beam_scores.index_select(0, parent) + lp_x, parent, col, lp_x
 
 
 def _choose(

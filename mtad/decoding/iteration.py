@@ -24,7 +24,7 @@ import torch
 from mtad.decoding.fused import fused
 from mtad.decoding.state import DecodeState, to_host
 from mtad.events import Step
-from mtad.sampling import Law, log_probs, pick, pick_at, uniforms
+from mtad.sampling import Law, log_probs, pick, pick_at
 
 P = TypeVar("P")  # a drafter's proposal
 S = TypeVar("S")  # a verifier's scores
@@ -154,8 +154,7 @@ def iid_draft(st: DecodeState, g: int, m: int = 1, stop: Callable[[torch.Tensor]
     law = st.law
     for _ in range(g):
         if stop is None:  # [m, C] over the draft's columns, and a column drawn from each row
-            u = None if law.is_greedy else uniforms((m,), st.generator, st.device)
-            lq, col = draw(st.run_draft(tokens), law, u, fuse=st.fused)
+            lq, col = draw(st.run_draft(tokens), law, st.uniforms((m,)), fuse=st.fused)
         else:  # the check looks before anything is drawn
             lq = st.draft_logq(tokens)
             if stop(lq):
@@ -189,9 +188,7 @@ def verify_context(st: DecodeState, proposal: None) -> torch.Tensor:
 
 def target_token(st: DecodeState, proposal: None, logits: torch.Tensor) -> Verdict:
     """The target's own token: argmax or a draw from its warped law, its unwarped log p for perplexity."""
-    law = st.law
-    u = None if law.is_greedy else uniforms((), st.generator, st.device)
-    _, tok = draw(logits, law, u, fuse=st.fused)
+    _, tok = draw(logits, st.law, st.uniforms(), fuse=st.fused)
     lp = torch.log_softmax(logits, dim=-1).gather(0, tok.view(1))  # no host read of ``tok``
     return Verdict(draft=None, joint_p=None, joint_q=None, accepted=0, extra=tok, kept_logprobs=lp)
 

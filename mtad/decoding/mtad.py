@@ -11,7 +11,7 @@ from mtad.decoding.rules import longest_passing
 from mtad.decoding.spec import MethodSpec
 from mtad.decoding.state import DecodeState, kept_logprobs
 from mtad.events import Step
-from mtad.sampling import Law, RowLaws, pick_at, uniforms
+from mtad.sampling import Law, RowLaws, pick_at
 from mtad.settings import PARAMS
 
 
@@ -24,8 +24,7 @@ def mtad_accept(st: DecodeState, beams: Beams, logits: torch.Tensor) -> Verdict:
     """Keep the longest prefix eta of the best beam whose joint min(1, p/q) exceeds tau, then the
     target's token at eta + 1; the Step records every beam."""
     draft, lq_x = beams.of_best(beams.tokens), beams.of_best(beams.token_logq)
-    u = None if st.settings.is_greedy else uniforms((), st.generator, st.device)
-    joint_p, joint_q, eta, extra, kept_lp = judge(logits, draft, lq_x, st.law, st.log_tau, u, fuse=st.fused)
+    joint_p, joint_q, eta, extra, kept_lp = judge(logits, draft, lq_x, st.law, st.log_tau, st.uniforms(), fuse=st.fused)
     more = (beams.tokens, beams.scores, beams.best)
     return Verdict(
         draft, joint_p, joint_q, eta, extra, kept_lp, draft_calls=draft.numel(), more=more, record=record_beams

@@ -10,7 +10,7 @@ from mtad.decoding.rules import sd_accept_length_t
 from mtad.decoding.spec import MethodSpec
 from mtad.decoding.state import DecodeState, kept_logprobs
 from mtad.events import Step
-from mtad.sampling import Law, RowLaws, probs, sample_at, uniforms
+from mtad.sampling import Law, RowLaws, probs, sample_at
 from mtad.settings import PARAMS
 
 
@@ -23,13 +23,9 @@ def sd_accept(st: DecodeState, drafts: Drafts, logits: torch.Tensor) -> Verdict:
     """Accept draft i with min(1, p/q) until the first rejection; then resample from the residual, or
     after g accepted drafts draw the bonus token from p. Greedy: keep drafts while they are argmax p."""
     draft, log_q = drafts.tokens[0], drafts.log_q[0]
-    law = st.law
-    if law.is_greedy:
-        tests = u = None
-    else:  # the acceptance tests' uniforms, then the one the extra token is drawn at
-        tests = torch.rand(draft.numel(), generator=st.generator, device=st.device)
-        u = uniforms((), st.generator, st.device)
-    lp_x, lq_x, n, extra, kept_lp = sd_judge(logits, draft, log_q, law, tests, u, fuse=st.fused)
+    # the acceptance tests' uniforms, then the one the extra token is drawn at (None when greedy)
+    tests = None if st.settings.is_greedy else torch.rand(draft.numel(), generator=st.generator, device=st.device)
+    lp_x, lq_x, n, extra, kept_lp = sd_judge(logits, draft, log_q, st.law, tests, st.uniforms(), fuse=st.fused)
     return Verdict(draft, lp_x.cumsum(0), lq_x.cumsum(0), n, extra, kept_lp, draft_calls=draft.numel(), uniforms=tests)
 
 

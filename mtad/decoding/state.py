@@ -17,7 +17,7 @@ from mtad.decoding.static_lm import StaticLM, compiles_draft
 from mtad.events import Step
 from mtad.models.devices import to_device
 from mtad.models.pair import ModelPair
-from mtad.sampling import Law, log_probs, make_generator
+from mtad.sampling import Law, log_probs, make_generator, uniforms
 from mtad.settings import Settings, uses_draft
 
 
@@ -193,6 +193,11 @@ class DecodeState:
             return None
         value = log_tau(tau)
         return to_device(torch.tensor(value, dtype=torch.float64), self.device) if self.fused else value
+
+    def uniforms(self, rows: tuple[int, ...] = ()) -> torch.Tensor | None:
+        """The uniforms one draw a row of ``rows`` is made at (:func:`~mtad.sampling.uniforms`), from the run's
+        generator; None when greedy (argmax draws nothing)."""
+        return None if self.settings.is_greedy else uniforms(rows, self.generator, self.device)
 
     @property
     def remaining(self) -> int:
