@@ -22,8 +22,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from mtad.decoding import generate
 from mtad.models.pair import load
 from mtad.models.shortlist_draft import ShortlistForCausalLM
+from mtad.sampling import log_probs, pick
 from mtad.settings import Settings
 from training import onpolicy
+from training.chat_draft import batched_continuations
 
 CHAT = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<a>{% endif %}"
@@ -110,6 +112,25 @@ def tiny_chat(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
     return tok, target, root / "draft"
 
 
+TURNS = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}ca{% endif %}{{ m['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}b{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_turns(tiny_chat, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    """:func:`tiny_chat` with a chat template whose user turn starts with tokens (``ca``), so the target can
+    write user turns after it (``CHAT``'s markers are no token of the tiny tokenizer)."""
+    tok, target, path = tiny_chat
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = TURNS
+    root = tmp_path_factory.mktemp("turns")
+    shutil.copytree(path, root / "draft")
+    tok.save_pretrained(root / "draft")
+    return tok, target, root / "draft"
+
+
 def test_the_data_stage_samples_replies_and_labels_every_reply_position(tiny_chat) -> None:
     tok, target, path = tiny_chat
     draft = onpolicy.load_draft(path)
@@ -128,6 +149,36 @@ def test_the_data_stage_samples_replies_and_labels_every_reply_position(tiny_cha
             want = onpolicy.warped_probs(full_logits(target, s["ids"][: s["start"] + 1 + j].tolist())[None])[0]
             torch.testing.assert_close(s["pw"][j].float(), want[s["idx"][j].long()], rtol=0, atol=1e-3)
         assert s["pw"].float().sum(-1).sub(1).abs().max() < 2e-3  # the warped law lies in the top 32
+
+
+def test_the_target_writes_user_turns_it_ended_none_excluded_and_none_twice(tiny_chat_turns) -> None:
+    """Magpie's data: what the target samples after the template's text before a user's message, kept where
+    it ended the turn, 15 to 600 characters long, not excluded and not seen before, in the order drawn."""
+    tok, target, _ = tiny_chat_turns
+    prefix = onpolicy.user_turn_prefix(tok)
+    assert prefix == "ca"
+    settings = onpolicy.warping()
+
+    def step(logits: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, None]:
+        return pick(log_probs(logits.float(), settings), settings, generator), None
+
+    _, turns, _ = batched_continuations(target, tok, [prefix] * 10, 5, onpolicy.PROMPT_TOKENS, step)
+    ended = [tok.decode(t[:-1]).strip() for t in turns if t and t[-1] == tok.eos_token_id]
+    assert 0 < len(ended) < 10 or any(not 15 <= len(x) <= 600 for x in ended)  # the filter has work to do
+    kept = list(dict.fromkeys(x for x in ended if 15 <= len(x) <= 600))
+    assert len(kept) >= 2
+    # n = 8 draws 10 rows first: the same draws, filtered by hand (a second draw tops up what is missing)
+    got = onpolicy.target_prompts(target, tok, 8, seed=5)
+    assert got[: len(kept)] == kept[:8] and len(got) == len(set(got)) <= 8
+    assert onpolicy.target_prompts(target, tok, 8, seed=5) == got  # seeded
+    without = onpolicy.target_prompts(target, tok, 8, seed=5, exclude={kept[0]})
+    assert kept[0] not in without and without[: len(kept) - 1] == kept[1:8]
+
+
+def test_a_template_whose_user_turn_starts_with_no_token_is_refused_with_a_message(tiny_chat) -> None:
+    tok, target, _ = tiny_chat
+    with pytest.raises(ValueError, match="no token of this tokenizer"):
+        onpolicy.target_prompts(target, tok, 4, seed=0)
 
 
 def test_the_exported_draft_loads_with_auto_classes_and_keeps_rules_exact(tiny_chat, tmp_path) -> None:
@@ -294,11 +345,15 @@ def test_the_committed_draft_goes_out_in_files_under_15mb_and_comes_back_bit_for
     assert (into / "model.safetensors").stat().st_size <= onpolicy.COMMITTED_LIMIT
 
 
-def test_the_train_stage_ends_before_its_deadline_with_the_best_draft_and_its_figures(tiny_chat, tmp_path) -> None:
+@pytest.mark.parametrize("prompts", ["templates", "target"])
+def test_the_train_stage_ends_before_its_deadline_with_the_best_draft_and_its_figures(
+    prompts: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
     """``python -m training.onpolicy --stage train`` on the tiny pair with a 15-second budget: the process
     (loading included) ends inside it, and --out holds a loadable draft in files under the limit, with
-    the figures: the starting draft's held-out scores are the committed draft's, the best's no worse."""
-    tok, target, path = tiny_chat
+    the figures: the starting draft's held-out scores are the committed draft's, the best's no worse. With
+    ``--prompts target`` the held-out instructions are the target's own user turns."""
+    tok, target, path = request.getfixturevalue("tiny_chat" if prompts == "templates" else "tiny_chat_turns")
     target_dir = tmp_path / "target"
     target.save_pretrained(target_dir)
     tok.save_pretrained(target_dir)
@@ -306,7 +361,7 @@ def test_the_train_stage_ends_before_its_deadline_with_the_best_draft_and_its_fi
     command = [sys.executable, "-m", "training.onpolicy", "--stage", "train", "--work", str(work)]
     command += ["--out", str(out), "--target", str(target_dir), "--draft", str(path), "--minutes", str(minutes)]
     command += ["--gen-batch", "4", "--batch", "4", "--steps-per-round", "2", "--max-new", "8", "--heldout", "6"]
-    command += ["--confirm", "2"]
+    command += ["--confirm", "2", "--prompts", prompts]
     command += ["--eval-every", "2", "--lr", "1e-3"]
     root = Path(__file__).resolve().parents[1]
     t = time.time()
@@ -325,6 +380,12 @@ def test_the_train_stage_ends_before_its_deadline_with_the_best_draft_and_its_fi
     assert figures["start"]["positions"] > 0 and {"accept", "agree"} <= figures["best"].keys()
     heldout = torch.load(work / "heldout.pt", weights_only=False)
     assert len(heldout) == 6
+    asked = [s["prompt"] for s in heldout]
+    templated = set(onpolicy.instructions(heldout=True))
+    assert set(asked) <= templated if prompts == "templates" else not set(asked) & templated
+    if prompts == "target":
+        loaded, own = onpolicy.load_target(target_dir, onpolicy.CPU, tokenizer=path)  # as the run loads them
+        assert asked == onpolicy.target_prompts(loaded, own, 6, onpolicy.HELDOUT_SEED, onpolicy.eval_prompts())
     start = onpolicy.evaluate(onpolicy.load_draft(path), heldout[:4])  # the last 2 only confirm
     assert figures["start"]["accept"] == pytest.approx(start["accept"], abs=1e-6)
     assert figures["best"]["accept"] >= figures["start"]["accept"]

@@ -193,36 +193,51 @@ def batched_replies(
     until: float | None = None,
     **forward: Any,
 ) -> tuple[list[torch.Tensor], list[list[int]], list[list[Any]]]:
-    """Replies to ``prompts`` (one user turn each) in one batched KV-cached loop that drops a row when it
-    ends; ``step(logits, generator) -> (tokens, per_row)`` draws the next token of every live row from its
-    last logits (``per_row``: something to keep per row and position, or None). ``forward`` goes to every
-    model call. Returns each prompt's ids (on the CPU), each reply's ids and what was kept per reply position.
+    """Replies to ``prompts`` (one user turn each): :func:`batched_continuations` of each prompt's chat text."""
+    texts = [
+        tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+        for p in prompts
+    ]
+    return batched_continuations(model, tok, texts, seed, max_new, step, until, **forward)
 
-    The prompts are left-padded (positions count from each row's first real token) and run on the
+
+def batched_continuations(
+    model: Any,
+    tok: Any,
+    texts: list[str],
+    seed: int,
+    max_new: int,
+    step: Callable,
+    until: float | None = None,
+    **forward: Any,
+) -> tuple[list[torch.Tensor], list[list[int]], list[list[Any]]]:
+    """Continuations of ``texts`` until the tokenizer's end token, in one batched KV-cached loop that drops a
+    row when it ends; ``step(logits, generator) -> (tokens, per_row)`` draws the next token of every live row
+    from its last logits (``per_row``: something to keep per row and position, or None). ``forward`` goes to
+    every model call. Returns each text's ids (on the CPU), each continuation's ids and what was kept per
+    position.
+
+    The texts are left-padded (positions count from each row's first real token) and run on the
     model's device, drawing from a generator there; past ``until`` (a ``time.time()``) no further token
-    is drawn, so the replies stop where they are, as at ``max_new``."""
+    is drawn, so the continuations stop where they are, as at ``max_new``."""
     from transformers import DynamicCache
 
     from mtad.models.devices import first_device
     from mtad.sampling import make_generator
 
     device = first_device(model)
-    texts = [
-        tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-        for p in prompts
-    ]
     tok.padding_side = "left"
     enc = tok(texts, return_tensors="pt", padding=True)
-    prompt_ids = [enc["input_ids"][b][enc["attention_mask"][b].bool()] for b in range(len(prompts))]
+    prompt_ids = [enc["input_ids"][b][enc["attention_mask"][b].bool()] for b in range(len(texts))]
     enc = enc.to(device)
     mask = enc["attention_mask"]
     position = (mask.cumsum(-1) - 1).clamp_min(0)
     cache = DynamicCache(config=model.config)
     out = model(**enc, position_ids=position, past_key_values=cache, use_cache=True, logits_to_keep=1, **forward)
     generator = make_generator(device, seed)
-    live, position = torch.arange(len(prompts)), position[:, -1:]
-    replies: list[list[int]] = [[] for _ in prompts]
-    kept: list[list[Any]] = [[] for _ in prompts]
+    live, position = torch.arange(len(texts)), position[:, -1:]
+    replies: list[list[int]] = [[] for _ in texts]
+    kept: list[list[Any]] = [[] for _ in texts]
     for i in range(max_new):
         token, per_row = step(out.logits[:, -1], generator)
         going = []

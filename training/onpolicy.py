@@ -8,8 +8,14 @@ forward KL to the target's raw top-32 law: the KL is what greedy decoding needs 
 it keeps pushing mass onto tokens that the draft's own warping has cut off, where the TV term has no
 gradient.
 
+The instructions are user turns the target writes itself (``--prompts target``, the default; Magpie,
+Xu et al. 2024): on the target's replies to them the committed draft scores what it scores on the
+benchmark's prompts (0.41 acceptance), where on replies to the chat trainer's templated instructions
+(``--prompts templates``, what it was trained on) it scores 0.49, so a held-out set of templated replies
+overstates it and chooses weights for the templates.
+
 Each round the current draft samples replies to a batch of instructions (never the benchmark's
-prompts) — or, in a share of rounds, the target does, so the draft also sees the text it will be
+prompts, excluded by text, nor a held-out one) — or, in a share of rounds, the target does, so the draft also sees the text it will be
 asked to continue at run time — the target labels every reply position in one forward, and the trainer takes a few steps on
 a small replay buffer of recent rounds. Weights are chosen by held-out **acceptance**, computed
 exactly from p_w and q_w per position on the target's own replies to held-out instructions (the
@@ -75,6 +81,8 @@ COMMITTED_LIMIT = 30_000_000  # the committed draft's weights file
 CPU = torch.device("cpu")
 TOPK = 32
 SEED = 20261124
+HELDOUT_SEED = SEED + 7_000_000  # the held-out instructions the target writes
+ROUND_SEED = SEED + 3_000_000  # a training round's: ROUND_SEED + 64 × round
 WARP = {"temperature": 1.0, "top_k": 20, "top_p": 0.9}  # the paper's sampling, as the app draws
 
 
@@ -299,6 +307,62 @@ def instructions(heldout: bool) -> list[str]:
     return [p for i, p in enumerate(prompts) if (i in held) == heldout]
 
 
+PROMPT_TOKENS = 96
+"""The longest user turn the target writes (:func:`target_prompts`); longer ones are dropped."""
+
+
+def user_turn_prefix(tok: Any) -> str:
+    """The chat template's text before a user's message (with the system turn the template adds by default)."""
+    mark = "\ue000"
+    text = tok.apply_chat_template([{"role": "user", "content": mark}], tokenize=False)
+    return text[: text.index(mark)]
+
+
+@torch.inference_mode()
+def target_prompts(
+    target: Any,
+    tok: Any,
+    n: int,
+    seed: int,
+    exclude: set[str] | frozenset[str] = frozenset(),
+    until: float | None = None,
+    draws: int = 20,
+) -> list[str]:
+    """Up to ``n`` user turns the target writes itself (Magpie: Xu et al., 2024), sampled as the app samples
+    from the chat template's text before a user's message: requests like those its instruction tuning saw,
+    which templated instructions do not cover. On the target's replies to them the committed draft scores
+    what it scores on the benchmark's prompts, not what it scores on the templates' (journal, 2026-11-27).
+
+    Kept: turns the target ends within :data:`PROMPT_TOKENS` tokens, of 15 to 600 characters, with no special
+    token, none in ``exclude`` and none twice; ``draws`` batches at most (fewer past ``until``)."""
+    from mtad.sampling import log_probs, pick
+    from training.chat_draft import batched_continuations
+
+    settings = warping()
+
+    def step(logits: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, None]:
+        return pick(log_probs(logits.float(), settings), settings, generator), None
+
+    prefix, special = user_turn_prefix(tok), set(tok.all_special_ids)
+    if not tok(prefix).input_ids:
+        raise ValueError(f"the chat template's text before a user's message, {prefix!r}, is no token of this tokenizer")
+    kept: list[str] = []
+    seen = set(exclude)
+    for draw in range(draws):
+        if len(kept) >= n or (until is not None and time.time() >= until):
+            break
+        rows = max(8, math.ceil(1.25 * (n - len(kept))))  # about a fifth are dropped
+        _, turns, _ = batched_continuations(target, tok, [prefix] * rows, seed + draw, PROMPT_TOKENS, step, until=until)
+        for ids in turns:
+            if not ids or ids[-1] != tok.eos_token_id or special & set(ids[:-1]):
+                continue
+            text = tok.decode(ids[:-1]).strip()
+            if 15 <= len(text) <= 600 and text not in seen:
+                seen.add(text)
+                kept.append(text)
+    return kept[:n]
+
+
 @torch.inference_mode()
 def sample_replies(
     draft: Any, tok: Any, prompts: list[str], seed: int, max_new: int, until: float | None = None
@@ -489,23 +553,33 @@ def load_target(
 
 def heldout_set(args: argparse.Namespace, target: Any, tok: Any, device: torch.device) -> list[dict]:
     """The target's own replies to held-out instructions, labelled (the text speculative decoding's
-    contexts follow), made once and kept in ``<work>/heldout.pt`` with the settings that made it.
-    Past the 264 held-out instructions, they repeat (other replies: other draws)."""
+    contexts follow), made once and kept in ``<work>/heldout.pt`` with the settings that made it; each
+    sample keeps its instruction (``"prompt"``). ``--prompts target``: instructions the target writes
+    (:func:`target_prompts`, from a seed no training round uses); ``templates``: the 264 held-out templated
+    instructions, repeated past 264 (other replies: other draws)."""
     path, meta_path = args.work / "heldout.pt", args.work / "heldout.json"
-    meta = {"heldout": args.heldout, "max_new": args.max_new, "batch": args.heldout_batch}
+    meta = {"heldout": args.heldout, "max_new": args.max_new, "batch": args.heldout_batch, "prompts": args.prompts}
     if path.exists():
-        if meta_path.exists() and (was := json.loads(meta_path.read_text())) != meta:
+        was = json.loads(meta_path.read_text()) if meta_path.exists() else meta
+        if {"prompts": "templates"} | was != meta:  # sets made before --prompts were templated
             sys.exit(f"{path} was made with {was}, not {meta}: use another --work, or the same settings")
         return torch.load(path, map_location=device, weights_only=False)
-    held = instructions(heldout=True)
-    if args.heldout <= len(held):
-        prompts = random.Random(SEED).sample(held, args.heldout)
+    if args.prompts == "target":
+        prompts = target_prompts(target, tok, args.heldout, HELDOUT_SEED, exclude=eval_prompts())
+        if len(prompts) < args.heldout:
+            sys.exit(f"the target wrote {len(prompts)} usable instructions of the {args.heldout} asked for")
     else:
-        order = random.Random(SEED).sample(held, len(held))
-        prompts = [order[i % len(order)] for i in range(args.heldout)]
+        held = instructions(heldout=True)
+        if args.heldout <= len(held):
+            prompts = random.Random(SEED).sample(held, args.heldout)
+        else:
+            order = random.Random(SEED).sample(held, len(held))
+            prompts = [order[i % len(order)] for i in range(args.heldout)]
     heldout: list[dict] = []
     for i in range(0, len(prompts), args.heldout_batch):
-        heldout += target_replies(target, tok, prompts[i : i + args.heldout_batch], SEED + i, args.max_new)
+        part = prompts[i : i + args.heldout_batch]
+        replies = target_replies(target, tok, part, SEED + i, args.max_new)
+        heldout += [s | {"prompt": p} for s, p in zip(replies, part, strict=True)]
     label_samples(target, heldout, args.chunk)
     torch.save(heldout, path)
     write_json(meta_path, meta)
@@ -646,8 +720,11 @@ def train(args: argparse.Namespace) -> None:
     best = figures["best"]["accept"]
 
     prompts = instructions(heldout=False)
-    leaks = set(prompts) & (eval_prompts() | set(instructions(heldout=True)))
-    if leaks:
+    excluded = (
+        eval_prompts() | set(instructions(heldout=True)) | {s["prompt"] for s in heldout + confirm if "prompt" in s}
+    )
+    leaks = set(prompts) & excluded
+    if leaks and args.prompts == "templates":
         sys.exit(f"{len(leaks)} training instructions are benchmark or held-out prompts, e.g. {sorted(leaks)[0]!r}")
     random.Random(SEED).shuffle(prompts)
     buffer: list[dict] = []
@@ -697,7 +774,13 @@ def train(args: argparse.Namespace) -> None:
         while spent + time.time() - t0 < budget and time.time() < clock.stop_at:
             # 1. the current draft (or, in a share of rounds, the target) writes replies; 2. the target labels them
             t = t_round = time.time()
-            batch = [prompts[(rnd * args.gen_batch + i) % len(prompts)] for i in range(args.gen_batch)]
+            if args.prompts == "target":  # never a benchmark or held-out instruction (excluded by text)
+                batch = target_prompts(target, tok, args.gen_batch, ROUND_SEED + 64 * rnd, excluded, clock.stop_at)
+            else:
+                batch = [prompts[(rnd * args.gen_batch + i) % len(prompts)] for i in range(args.gen_batch)]
+            if not batch:
+                print("[onpolicy] the target wrote no usable instruction in time: the run stops here", flush=True)
+                break
             by_target = rng.random() < args.teacher_share
             writer, model = (target_replies, target) if by_target else (sample_replies, draft)
             fresh = writer(model, tok, batch, SEED + 1000 + rnd, args.max_new, until=clock.stop_at)
@@ -898,6 +981,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps-per-round", type=int, default=12)
     ap.add_argument("--buffer", type=int, default=96, help="replies kept for replay")
     ap.add_argument("--max-new", type=int, default=128)
+    ap.add_argument(
+        "--prompts",
+        choices=("target", "templates"),
+        default="target",
+        help="instructions to reply to, held out and trained on: written by the target (default) or templated",
+    )
     ap.add_argument("--heldout", type=int, default=96, help="held-out replies")
     ap.add_argument("--heldout-batch", type=int, default=None, help="held-out replies written at once (16; cuda 512)")
     ap.add_argument(
