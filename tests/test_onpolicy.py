@@ -345,15 +345,15 @@ def test_the_committed_draft_goes_out_in_files_under_15mb_and_comes_back_bit_for
     assert (into / "model.safetensors").stat().st_size <= onpolicy.COMMITTED_LIMIT
 
 
-@pytest.mark.parametrize("prompts", ["templates", "target"])
+@pytest.mark.parametrize(("prompts", "held_out"), [("templates", "target"), ("target", "templates")])
 def test_the_train_stage_ends_before_its_deadline_with_the_best_draft_and_its_figures(
-    prompts: str, request: pytest.FixtureRequest, tmp_path: Path
+    prompts: str, held_out: str, tiny_chat_turns, tmp_path: Path
 ) -> None:
     """``python -m training.onpolicy --stage train`` on the tiny pair with a 15-second budget: the process
     (loading included) ends inside it, and --out holds a loadable draft in files under the limit, with
-    the figures: the starting draft's held-out scores are the committed draft's, the best's no worse. With
-    ``--prompts target`` the held-out instructions are the target's own user turns."""
-    tok, target, path = request.getfixturevalue("tiny_chat" if prompts == "templates" else "tiny_chat_turns")
+    the figures: the starting draft's held-out scores are the committed draft's, the best's no worse. The
+    held-out instructions are the target's own user turns or templated ones, as asked."""
+    tok, target, path = tiny_chat_turns
     target_dir = tmp_path / "target"
     target.save_pretrained(target_dir)
     tok.save_pretrained(target_dir)
@@ -361,7 +361,7 @@ def test_the_train_stage_ends_before_its_deadline_with_the_best_draft_and_its_fi
     command = [sys.executable, "-m", "training.onpolicy", "--stage", "train", "--work", str(work)]
     command += ["--out", str(out), "--target", str(target_dir), "--draft", str(path), "--minutes", str(minutes)]
     command += ["--gen-batch", "4", "--batch", "4", "--steps-per-round", "2", "--max-new", "8", "--heldout", "6"]
-    command += ["--confirm", "2", "--prompts", prompts]
+    command += ["--confirm", "2", "--prompts", prompts, "--heldout-prompts", held_out]
     command += ["--eval-every", "2", "--lr", "1e-3"]
     root = Path(__file__).resolve().parents[1]
     t = time.time()
@@ -382,8 +382,8 @@ def test_the_train_stage_ends_before_its_deadline_with_the_best_draft_and_its_fi
     assert len(heldout) == 6
     asked = [s["prompt"] for s in heldout]
     templated = set(onpolicy.instructions(heldout=True))
-    assert set(asked) <= templated if prompts == "templates" else not set(asked) & templated
-    if prompts == "target":
+    assert set(asked) <= templated if held_out == "templates" else not set(asked) & templated
+    if held_out == "target":
         loaded, own = onpolicy.load_target(target_dir, onpolicy.CPU, tokenizer=path)  # as the run loads them
         assert asked == onpolicy.target_prompts(loaded, own, 6, onpolicy.HELDOUT_SEED, onpolicy.eval_prompts())
     start = onpolicy.evaluate(onpolicy.load_draft(path), heldout[:4])  # the last 2 only confirm
