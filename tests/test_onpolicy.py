@@ -22,7 +22,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from mtad.decoding import generate
 from mtad.models.pair import load
 from mtad.models.shortlist_draft import ShortlistForCausalLM
-from mtad.sampling import log_probs, pick
 from mtad.settings import Settings
 from training import onpolicy
 from training.chat_draft import batched_continuations
@@ -157,12 +156,7 @@ def test_the_target_writes_user_turns_it_ended_none_excluded_and_none_twice(tiny
     tok, target, _ = tiny_chat_turns
     prefix = onpolicy.user_turn_prefix(tok)
     assert prefix == "ca"
-    settings = onpolicy.warping()
-
-    def step(logits: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, None]:
-        return pick(log_probs(logits.float(), settings), settings, generator), None
-
-    _, turns, _ = batched_continuations(target, tok, [prefix] * 10, 5, onpolicy.PROMPT_TOKENS, step)
+    _, turns, _ = batched_continuations(target, tok, [prefix] * 10, 5, onpolicy.PROMPT_TOKENS, onpolicy.warped_draw)
     ended = [tok.decode(t[:-1]).strip() for t in turns if t and t[-1] == tok.eos_token_id]
     assert 0 < len(ended) < 10 or any(not 15 <= len(x) <= 600 for x in ended)  # the filter has work to do
     kept = list(dict.fromkeys(x for x in ended if 15 <= len(x) <= 600))

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
@@ -88,11 +89,22 @@ ROUND_SEED = SEED + 3_000_000  # a training round's: ROUND_SEED + 64 × round
 WARP = {"temperature": 1.0, "top_k": 20, "top_p": 0.9}  # the paper's sampling, as the app draws
 
 
+@functools.cache
 def warping() -> Any:
-    """The run settings whose warping the loss matches (the app's and the bench's sampling)."""
+    """The run settings whose warping the loss matches (the app's and the bench's sampling; frozen, so
+    made once)."""
     from mtad.settings import Settings
 
     return Settings(method="ar", **WARP)
+
+
+def warped_draw(logits: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, None]:
+    """The next token of each row of a full-vocabulary model's ``logits``, drawn as the app draws (a
+    ``step`` of :func:`training.chat_draft.batched_continuations`, keeping nothing per row)."""
+    from mtad.sampling import log_probs, pick
+
+    settings = warping()
+    return pick(log_probs(logits.float(), settings), settings, generator), None
 
 
 # --------------------------------------------------------------------------- the loss
@@ -338,13 +350,7 @@ def target_prompts(
 
     Kept: turns the target ends within :data:`PROMPT_TOKENS` tokens, of 15 to 600 characters, with no special
     token, none in ``exclude`` and none twice; ``draws`` batches at most (fewer past ``until``)."""
-    from mtad.sampling import log_probs, pick
     from training.chat_draft import batched_continuations
-
-    settings = warping()
-
-    def step(logits: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, None]:
-        return pick(log_probs(logits.float(), settings), settings, generator), None
 
     prefix, special = user_turn_prefix(tok), set(tok.all_special_ids)
     if not tok(prefix).input_ids:
@@ -355,7 +361,9 @@ def target_prompts(
         if len(kept) >= n or (until is not None and time.time() >= until):
             break
         rows = max(8, math.ceil(1.25 * (n - len(kept))))  # about a fifth are dropped
-        _, turns, _ = batched_continuations(target, tok, [prefix] * rows, seed + draw, PROMPT_TOKENS, step, until=until)
+        _, turns, _ = batched_continuations(
+            target, tok, [prefix] * rows, seed + draw, PROMPT_TOKENS, warped_draw, until=until
+        )
         for ids in turns:
             if not ids or ids[-1] != tok.eos_token_id or special & set(ids[:-1]):
                 continue
@@ -399,15 +407,9 @@ def target_replies(
     """The target's own sampled replies, as ids (on the CPU) and reply start: the replies of the chat
     trainer's ``generate_batch`` (the same draws from the same seed), without its per-position top-K, which
     :func:`label_samples` computes again."""
-    from mtad.sampling import log_probs, pick
     from training.chat_draft import batched_replies
 
-    settings = warping()
-
-    def step(logits: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, None]:
-        return pick(log_probs(logits.float(), settings), settings, generator), None
-
-    prompt_ids, replies, _ = batched_replies(target, tok, prompts, seed, max_new, step, until=until)
+    prompt_ids, replies, _ = batched_replies(target, tok, prompts, seed, max_new, warped_draw, until=until)
     return [
         {"ids": torch.cat([prompt, torch.tensor(reply)]).int(), "start": len(prompt) - 1}
         for prompt, reply in zip(prompt_ids, replies, strict=True)
