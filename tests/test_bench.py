@@ -755,7 +755,7 @@ def test_csv_columns_are_the_union_of_the_rows_keys_in_first_seen_order(tmp_path
     assert path.read_text(encoding="utf-8").splitlines() == ["a,b,c", "1,,", '2.5,"[1, 2]","{""k"": ""v""}"']
 
 
-def test_the_environment_names_the_run_as_it_ran(tiny_pair):
+def test_the_environment_names_the_run_as_it_ran(tiny_pair, tiny_dirs):
     import platform
 
     import transformers
@@ -767,6 +767,7 @@ def test_the_environment_names_the_run_as_it_ran(tiny_pair):
     assert env["device"] == "cpu" and env["device_name"] == (platform.processor() or platform.machine())
     assert env["dtype"] == str(tiny_pair.dtype).removeprefix("torch.") and env["pair"] == tiny_pair.name
     assert (env["draft_parameters"], env["target_parameters"]) == tiny_pair.parameters()
+    assert (env["draft_source"], env["target_source"]) == tiny_dirs  # the directories the pair was loaded from
     assert env["cpu_count"] == os.cpu_count() and env["torch_threads"] == torch.get_num_threads()
     assert (env["python"], env["platform"]) == (platform.python_version(), platform.platform())
     assert (env["torch"], env["transformers"], env["cuda"]) == (

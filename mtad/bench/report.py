@@ -187,6 +187,9 @@ def environment(
         "bookkeeping": "compiled" if fused_enabled(pair) else "as written",  # mtad.decoding.fused
         "cpu_flags": cpu_flags() if dev.type == "cpu" else None,
         "pair": pair.name,
+        # where each model was loaded from: two drafts benched under one pair name (MTAD_PAIRS) differ here
+        "draft_source": getattr(pair.draft, "name_or_path", None),
+        "target_source": getattr(pair.target, "name_or_path", None),
         "draft_parameters": draft_params,
         "target_parameters": target_params,
         "python": platform.python_version(),
