@@ -385,7 +385,14 @@ def test_the_train_stage_ends_before_its_deadline_with_the_best_draft_and_its_fi
     assert figures["best"]["accept"] >= figures["start"]["accept"]
     confirmed = onpolicy.evaluate(onpolicy.load_draft(out), heldout[4:])
     assert figures["confirm"]["best"]["accept"] == pytest.approx(confirmed["accept"], abs=1e-6)
-    assert figures["confirm"]["committed"] == pytest.approx(onpolicy.evaluate(onpolicy.load_draft(path), heldout[4:]))
+    there = onpolicy.evaluate(onpolicy.load_draft(path), heldout[4:], by_reply=True)
+    assert figures["confirm"]["committed"]["positions_by_reply"] == there["positions_by_reply"]
+    for key in ("accept", "agree", "kl", "accept_by_reply"):
+        assert figures["confirm"]["committed"][key] == pytest.approx(there[key])
+    if "gain" in figures["confirm"]["best"]:  # a best after the start: its gain there, paired by reply
+        mine = onpolicy.evaluate(onpolicy.load_draft(out), heldout[4:], by_reply=True)
+        gain, se = onpolicy.paired_gain(mine, there)
+        assert (figures["confirm"]["best"]["gain"], figures["confirm"]["best"]["gain_se"]) == pytest.approx((gain, se))
     assert figures["improved"] == onpolicy.improved(figures)
     best = AutoModelForCausalLM.from_pretrained(out)
     assert type(best) is ShortlistForCausalLM and best.config.int8_layers
@@ -399,3 +406,36 @@ def test_a_best_is_an_improvement_only_where_the_confirming_replies_agree() -> N
     confirm = {"committed": {"accept": 0.44}, "best": {"accept": 0.445}}
     assert onpolicy.improved(figures | {"confirm": confirm})
     assert not onpolicy.improved(figures | {"confirm": confirm | {"best": {"accept": 0.439}}})
+    assert not onpolicy.improved(figures | {"confirm": {"committed": {"accept": 0.44}, "best": {"accept": 0.44}}})
+
+
+def test_a_gain_on_the_confirming_replies_counts_only_beyond_two_standard_errors() -> None:
+    """Run T's "best" beat the committed draft by 0.00004 on both held-out sets: noise, now no improvement."""
+    figures = {"best": {"accept": 0.46}, "committed": {"accept": 0.45}}
+    noise = {"committed": {"accept": 0.44}, "best": {"accept": 0.44004, "gain": 0.00004, "gain_se": 0.002}}
+    assert not onpolicy.improved(figures | {"confirm": noise})
+    clear = {"committed": {"accept": 0.44}, "best": {"accept": 0.45, "gain": 0.01, "gain_se": 0.004}}
+    assert onpolicy.improved(figures | {"confirm": clear})
+    assert not onpolicy.improved(figures | {"best": {"accept": 0.45}, "confirm": clear})
+
+
+def test_the_paired_gain_and_its_standard_error_match_a_hand_computation() -> None:
+    base = {"accept_by_reply": [2.0, 5.0, 1.0], "positions_by_reply": [4, 10, 2]}
+    new = {"accept_by_reply": [3.0, 5.0, 1.5], "positions_by_reply": [4, 10, 2]}
+    gain, se = onpolicy.paired_gain(new, base)
+    assert gain == pytest.approx(1.5 / 16)
+    resid = [1.0 - gain * 4, 0.0 - gain * 10, 0.5 - gain * 2]
+    assert se == pytest.approx(math.sqrt(sum(r * r for r in resid) * 3 / 2) / 16)
+    with pytest.raises(ValueError, match="same replies"):
+        onpolicy.paired_gain(new | {"positions_by_reply": [4, 10, 3]}, base)
+
+
+def test_acceptance_by_reply_adds_up_to_the_pooled_acceptance(tiny_chat) -> None:
+    tok, target, path = tiny_chat
+    samples = onpolicy.target_replies(target, tok, ["ab", "cab ba", "c", "bb a"], seed=3, max_new=10)
+    onpolicy.label_samples(target, samples, chunk=3)
+    got = onpolicy.evaluate(onpolicy.load_draft(path), samples, chunk=3, by_reply=True)
+    assert got["positions_by_reply"] == [len(s["idx"]) for s in samples]
+    assert sum(got["accept_by_reply"]) / got["positions"] == pytest.approx(got["accept"])
+    alone = [onpolicy.evaluate(onpolicy.load_draft(path), [s])["accept"] * len(s["idx"]) for s in samples]
+    assert got["accept_by_reply"] == pytest.approx(alone, abs=1e-5)

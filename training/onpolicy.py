@@ -491,20 +491,50 @@ def batch_terms(draft: Any, samples: list[dict]) -> dict[str, torch.Tensor]:
 
 
 @torch.inference_mode()
-def evaluate(draft: Any, heldout: list[dict], chunk: int = 8) -> dict[str, float]:
+def evaluate(draft: Any, heldout: list[dict], chunk: int = 8, by_reply: bool = False) -> dict[str, Any]:
     """Held-out acceptance, top-1 agreement, forward KL and cross-entropy, pooled over every position
-    (in fp32: the draft's weights as they are, no autocast)."""
+    (in fp32: the draft's weights as they are, no autocast). ``by_reply``: also each reply's summed
+    acceptance and its positions (``accept_by_reply``, ``positions_by_reply``), for :func:`paired_gain`."""
     was_training = draft.training
     draft.eval()
     sums = {"accept": 0.0, "agree": 0.0, "kl": 0.0, "ce": 0.0}
     n = 0
+    replies: list[float] = []
+    counts: list[int] = []
     for i in range(0, len(heldout), chunk):
-        terms = batch_terms(draft, heldout[i : i + chunk])
+        part = heldout[i : i + chunk]
+        terms = batch_terms(draft, part)
         for k in sums:
             sums[k] += terms[k].sum().item()
         n += terms["accept"].numel()
+        if by_reply:
+            rows = reply_positions(part, CPU)[0]
+            replies += (
+                torch.zeros(len(part), dtype=torch.float64).index_add_(0, rows, terms["accept"].cpu().double()).tolist()
+            )
+            counts += torch.bincount(rows, minlength=len(part)).tolist()
     draft.train(was_training)
-    return {k: v / max(n, 1) for k, v in sums.items()} | {"positions": n}
+    out: dict[str, Any] = {k: v / max(n, 1) for k, v in sums.items()} | {"positions": n}
+    return out | ({"accept_by_reply": replies, "positions_by_reply": counts} if by_reply else {})
+
+
+SIGNIFICANT = 2.0
+"""How many standard errors a draft's gain on the confirming replies must reach to count as an improvement
+(:func:`improved`): a best chosen among many evaluations also beats the committed draft by chance."""
+
+
+def paired_gain(new: dict, base: dict) -> tuple[float, float]:
+    """``new``'s pooled acceptance minus ``base``'s on the same replies (both from :func:`evaluate` with
+    ``by_reply``), and its standard error over the replies, the independent units (positions within a
+    reply are not): the ratio estimator's, sum_i (d_i - gain * n_i)^2 over (sum_i n_i)^2, times r / (r - 1)."""
+    a, b = (torch.tensor(x["accept_by_reply"], dtype=torch.float64) for x in (new, base))
+    n = torch.tensor(base["positions_by_reply"], dtype=torch.float64)
+    if not torch.equal(n, torch.tensor(new["positions_by_reply"], dtype=torch.float64)):
+        raise ValueError("paired_gain compares two drafts on the same replies")
+    gain = ((a - b).sum() / n.sum()).item()
+    r = len(n)
+    se = ((a - b - gain * n).pow(2).sum() * r / max(r - 1, 1)).sqrt().item() / n.sum().item()
+    return gain, se
 
 
 # --------------------------------------------------------------------------- the loop
@@ -709,11 +739,10 @@ def train(args: argparse.Namespace) -> None:
         "args": {k: str(v) for k, v in vars(args).items()},
     }
     if confirm:  # replies never used to choose: the best's figure on them is not inflated by the choice
-        figures["confirm"] = {"committed": evaluate(load_draft(args.draft).to(device), confirm, args.chunk)}
-        figures["confirm"]["best"] = (
-            figures["confirm"]["committed"] if not saved else evaluate(draft, confirm, args.chunk)
-        )
-        print(f"[onpolicy] committed draft on the confirming replies: {figures['confirm']['committed']}", flush=True)
+        there = evaluate(load_draft(args.draft).to(device), confirm, args.chunk, by_reply=True)
+        pooled = {k: v for k, v in there.items() if "by_reply" not in k}
+        figures["confirm"] = {"committed": there, "best": pooled if not saved else evaluate(draft, confirm, args.chunk)}
+        print(f"[onpolicy] committed draft on the confirming replies: {pooled}", flush=True)
     previous = out / "figures.json"
     if weight_files(out) and saved:
         earlier = json.loads(previous.read_text()) if previous.exists() else {}
@@ -769,7 +798,12 @@ def train(args: argparse.Namespace) -> None:
             figures["best"] = held | {"step": step, "round": rnd}
             t = time.time()
             if confirm:
-                figures["confirm"]["best"] = evaluate(model, confirm, args.chunk) | {"step": step}
+                checked = evaluate(model, confirm, args.chunk, by_reply=True)
+                committed_there = figures["confirm"]["committed"]
+                if "accept_by_reply" in committed_there:  # not in a run resumed from before it was kept
+                    gain, se = paired_gain(checked, committed_there)
+                    checked |= {"gain": gain, "gain_se": se}
+                figures["confirm"]["best"] = {k: v for k, v in checked.items() if "by_reply" not in k} | {"step": step}
                 print(f"[onpolicy] on the confirming replies: {figures['confirm']['best']}", flush=True)
             figures["improved"] = improved(figures)
             save_best(draft, out_tok, out, {"step": step, "log": log}, figures | summary())
@@ -879,10 +913,16 @@ def train(args: argparse.Namespace) -> None:
 
 def improved(figures: dict) -> bool:
     """Whether the best draft beat the committed one on the held-out replies that chose it and, when some
-    were kept aside to confirm it (``--confirm``), on those too."""
+    were kept aside to confirm it (``--confirm``), on those too: by :data:`SIGNIFICANT` standard errors of the
+    paired gain where the run measured it (:func:`paired_gain`), else by any margin (runs from before)."""
     better = figures["best"]["accept"] > figures["committed"]["accept"]
     checked = figures.get("confirm")
-    return better and (not checked or checked["best"]["accept"] > checked["committed"]["accept"])
+    if not checked:
+        return better
+    best = checked["best"]
+    if "gain_se" in best:
+        return better and best["gain"] > SIGNIFICANT * best["gain_se"]
+    return better and best["accept"] > checked["committed"]["accept"]
 
 
 def checkpoint(
