@@ -439,3 +439,32 @@ def test_acceptance_by_reply_adds_up_to_the_pooled_acceptance(tiny_chat) -> None
     assert sum(got["accept_by_reply"]) / got["positions"] == pytest.approx(got["accept"])
     alone = [onpolicy.evaluate(onpolicy.load_draft(path), [s])["accept"] * len(s["idx"]) for s in samples]
     assert got["accept_by_reply"] == pytest.approx(alone, abs=1e-5)
+
+
+def test_the_evaluate_stage_reports_on_other_prompts_by_category(tiny_chat, tmp_path, capsys) -> None:
+    """``--stage evaluate --report-prompts FILE``: the target's replies to FILE's prompts, two seeds each,
+    labelled and kept; acceptance on them pooled and by category, for the committed draft and the best."""
+    tok, target, path = tiny_chat
+    target_dir, work = tmp_path / "target", tmp_path / "work"
+    target.save_pretrained(target_dir)
+    tok.save_pretrained(target_dir)
+    work.mkdir()
+    held = onpolicy.target_replies(target, tok, ["ab", "ca"], seed=1, max_new=6)
+    torch.save(onpolicy.label_samples(target, held), work / "heldout.pt")
+    shutil.copytree(path, work / "best")  # a best that is the committed draft: the same figures
+    rows = [("ab c", "math"), ("cab", "writing"), ("bb", "math")]
+    prompts = tmp_path / "report.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p, "category": c}) + "\n" for p, c in rows))
+    argv = ["--stage", "evaluate", "--work", str(work), "--draft", str(path), "--target", str(target_dir)]
+    assert onpolicy.main([*argv, "--report-prompts", str(prompts), "--max-new", "6"]) == 0
+    report = torch.load(work / "report-report.pt", weights_only=False)
+    assert [(s["prompt"], s["category"]) for s in report] == rows * len(onpolicy.REPORT_SEEDS)
+    assert all(len(s["idx"]) == len(s["ids"]) - 1 - s["start"] for s in report)  # every reply position labelled
+    draft = onpolicy.load_draft(path)
+    cats = onpolicy.by_category(draft, report, 8)
+    maths = [s for s in report if s["category"] == "math"]
+    assert set(cats) == {"math", "writing"}
+    assert cats["math"] == pytest.approx(onpolicy.evaluate(draft, maths)["accept"])
+    out = capsys.readouterr().out
+    for name in ("committed", "best"):
+        assert f"{name} on {prompts}: " in out and f"{name} on {prompts} by category: " in out

@@ -29,6 +29,7 @@ Usage::
     python -m training.onpolicy --stage train --minutes 150   # resumes <work>/state.pt, else the committed draft
     python -m training.onpolicy --stage export                # <work>/best -> assets/models/smollm2-draft
     python -m training.onpolicy --stage evaluate              # the committed draft and <work>/best, held out
+    python -m training.onpolicy --stage evaluate --report-prompts assets/prompts/chat.jsonl   # and on those prompts
 
 On a GPU (``--device cuda``) the target runs in bf16, training under bf16 autocast, and the replies are
 generated and labelled in large batches (``--gen-batch``, ``--chunk``); for example::
@@ -976,17 +977,65 @@ def export(args: argparse.Namespace) -> None:
     print(f"exported step {log['step']} to {target} ({size:,} bytes of weights)")
 
 
+REPORT_SEEDS = (0, 1)
+"""The reply seeds of :func:`report_set`: each prompt answered twice, as the benchmark's seeds 0 and 1."""
+
+
+def report_set(args: argparse.Namespace, device: torch.device) -> list[dict]:
+    """The target's labelled replies to the prompts of ``--report-prompts`` (two seeds each), made once and
+    kept in ``<work>/report-<file>.pt``; each sample keeps its prompt's category (``"category"``). A report
+    only: no stage chooses anything on it."""
+    from mtad.prompts import read_prompts
+
+    path = args.work / f"report-{Path(args.report_prompts).stem}.pt"
+    if path.exists():
+        return torch.load(path, map_location=device, weights_only=False)
+    prompts = read_prompts(args.report_prompts)
+    target, tok = load_target(args.target, device, tokenizer=args.draft)
+    batch = args.heldout_batch
+    samples: list[dict] = []
+    for seed in REPORT_SEEDS:
+        for i in range(0, len(prompts), batch):
+            part = prompts[i : i + batch]
+            replies = target_replies(target, tok, [p.text for p in part], SEED + 1_000 * seed + i, args.max_new)
+            samples += [s | {"prompt": p.text, "category": p.category} for s, p in zip(replies, part, strict=True)]
+    label_samples(target, samples, args.chunk)
+    args.work.mkdir(parents=True, exist_ok=True)
+    torch.save(samples, path)
+    return samples
+
+
+def by_category(draft: Any, samples: list[dict], chunk: int) -> dict[str, float]:
+    """Acceptance pooled over the replies of each category of ``samples`` (:func:`report_set`'s)."""
+    got = evaluate(draft, samples, chunk, by_reply=True)
+    sums: dict[str, list[float]] = {}
+    for s, a, n in zip(samples, got["accept_by_reply"], got["positions_by_reply"], strict=True):
+        t = sums.setdefault(s.get("category") or "-", [0.0, 0])
+        t[0] += a
+        t[1] += n
+    return {c: a / max(n, 1) for c, (a, n) in sorted(sums.items())}
+
+
 def score(args: argparse.Namespace) -> None:
     """Held-out figures of the committed draft and of ``--out`` (default ``<work>/best``) as exported (int8
-    layers, bf16 embedding, read back and dequantised) on the run's held-out replies (``<work>/heldout.pt``)."""
+    layers, bf16 embedding, read back and dequantised) on the run's held-out replies (``<work>/heldout.pt``),
+    and with ``--report-prompts FILE`` on the target's replies to those prompts too, by category: whether a
+    gain held out carries to other prompts, such as the benchmark's (a report: nothing is chosen on it)."""
     torch.set_num_threads(args.threads)
     heldout = torch.load(args.work / "heldout.pt", map_location=args.device, weights_only=False)
+    report = report_set(args, args.device) if args.report_prompts else None
     for name, path in (("committed", args.draft), ("best", args.out or args.work / "best")):
         if weight_files(path):
             draft = load_draft(path).to(args.device)
             print(
                 f"{name} ({draft.config.num_hidden_layers} layers): {evaluate(draft, heldout, args.chunk)}", flush=True
             )
+            if report is not None:
+                figures = evaluate(draft, report, args.chunk)
+                print(f"{name} on {args.report_prompts}: {figures}", flush=True)
+                print(
+                    f"{name} on {args.report_prompts} by category: {by_category(draft, report, args.chunk)}", flush=True
+                )
 
 
 def eval_prompts() -> set[str]:
@@ -1008,6 +1057,12 @@ def main(argv: list[str] | None = None) -> int:
         "--draft", type=Path, default=DRAFT, help="the committed draft: where training starts, what export replaces"
     )
     ap.add_argument("--target", default=None, help="the target: a GGUF file or transformers directory (the preset's)")
+    ap.add_argument(
+        "--report-prompts",
+        type=Path,
+        default=None,
+        help="--stage evaluate: also score on the target's replies to this prompt file (JSONL), e.g. the benchmark's",
+    )
     ap.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
     ap.add_argument(
         "--minutes",
