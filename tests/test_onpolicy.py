@@ -461,7 +461,7 @@ def test_the_evaluate_stage_reports_on_other_prompts_by_category(tiny_chat, tmp_
     assert [(s["prompt"], s["category"]) for s in report] == rows * len(onpolicy.REPORT_SEEDS)
     assert all(len(s["idx"]) == len(s["ids"]) - 1 - s["start"] for s in report)  # every reply position labelled
     draft = onpolicy.load_draft(path)
-    cats = onpolicy.by_category(draft, report, 8)
+    cats = onpolicy.by_category(report, onpolicy.evaluate(draft, report, by_reply=True))
     maths = [s for s in report if s["category"] == "math"]
     assert set(cats) == {"math", "writing"}
     assert cats["math"] == pytest.approx(onpolicy.evaluate(draft, maths)["accept"])

@@ -519,6 +519,11 @@ def evaluate(draft: Any, heldout: list[dict], chunk: int = 8, by_reply: bool = F
     return out | ({"accept_by_reply": replies, "positions_by_reply": counts} if by_reply else {})
 
 
+def pooled(figures: dict) -> dict:
+    """:func:`evaluate`'s figures without its per-reply lists (what is printed and kept as a draft's score)."""
+    return {k: v for k, v in figures.items() if not k.endswith("_by_reply")}
+
+
 SIGNIFICANT = 2.0
 """How many standard errors a draft's gain on the confirming replies must reach to count as an improvement
 (:func:`improved`): a best chosen among many evaluations also beats the committed draft by chance."""
@@ -587,6 +592,17 @@ def load_target(
     return target, tok
 
 
+def labelled_replies(args: argparse.Namespace, target: Any, tok: Any, prompts: list[str], seed: int) -> list[dict]:
+    """The target's replies to ``prompts``, ``--heldout-batch`` at a time (the batch at ``i`` from seed
+    ``seed + i``), each with its prompt (``"prompt"``), labelled at every reply position."""
+    samples: list[dict] = []
+    for i in range(0, len(prompts), args.heldout_batch):
+        part = prompts[i : i + args.heldout_batch]
+        replies = target_replies(target, tok, part, seed + i, args.max_new)
+        samples += [s | {"prompt": p} for s, p in zip(replies, part, strict=True)]
+    return label_samples(target, samples, args.chunk)
+
+
 def heldout_set(args: argparse.Namespace, target: Any, tok: Any, device: torch.device) -> list[dict]:
     """The target's own replies to held-out instructions, labelled (the text speculative decoding's
     contexts follow), made once and kept in ``<work>/heldout.pt`` with the settings that made it; each
@@ -616,12 +632,7 @@ def heldout_set(args: argparse.Namespace, target: Any, tok: Any, device: torch.d
         else:
             order = random.Random(SEED).sample(held, len(held))
             prompts = [order[i % len(order)] for i in range(args.heldout)]
-    heldout: list[dict] = []
-    for i in range(0, len(prompts), args.heldout_batch):
-        part = prompts[i : i + args.heldout_batch]
-        replies = target_replies(target, tok, part, SEED + i, args.max_new)
-        heldout += [s | {"prompt": p} for s, p in zip(replies, part, strict=True)]
-    label_samples(target, heldout, args.chunk)
+    heldout = labelled_replies(args, target, tok, prompts, SEED)
     torch.save(heldout, path)
     write_json(meta_path, meta)
     return heldout
@@ -741,9 +752,11 @@ def train(args: argparse.Namespace) -> None:
     }
     if confirm:  # replies never used to choose: the best's figure on them is not inflated by the choice
         there = evaluate(load_draft(args.draft).to(device), confirm, args.chunk, by_reply=True)
-        pooled = {k: v for k, v in there.items() if "by_reply" not in k}
-        figures["confirm"] = {"committed": there, "best": pooled if not saved else evaluate(draft, confirm, args.chunk)}
-        print(f"[onpolicy] committed draft on the confirming replies: {pooled}", flush=True)
+        figures["confirm"] = {
+            "committed": there,
+            "best": pooled(there) if not saved else evaluate(draft, confirm, args.chunk),
+        }
+        print(f"[onpolicy] committed draft on the confirming replies: {pooled(there)}", flush=True)
     previous = out / "figures.json"
     if weight_files(out) and saved:
         earlier = json.loads(previous.read_text()) if previous.exists() else {}
@@ -804,7 +817,7 @@ def train(args: argparse.Namespace) -> None:
                 if "accept_by_reply" in committed_there:  # not in a run resumed from before it was kept
                     gain, se = paired_gain(checked, committed_there)
                     checked |= {"gain": gain, "gain_se": se}
-                figures["confirm"]["best"] = {k: v for k, v in checked.items() if "by_reply" not in k} | {"step": step}
+                figures["confirm"]["best"] = pooled(checked) | {"step": step}
                 print(f"[onpolicy] on the confirming replies: {figures['confirm']['best']}", flush=True)
             figures["improved"] = improved(figures)
             save_best(draft, out_tok, out, {"step": step, "log": log}, figures | summary())
@@ -992,22 +1005,19 @@ def report_set(args: argparse.Namespace, device: torch.device) -> list[dict]:
         return torch.load(path, map_location=device, weights_only=False)
     prompts = read_prompts(args.report_prompts)
     target, tok = load_target(args.target, device, tokenizer=args.draft)
-    batch = args.heldout_batch
+    texts = [p.text for p in prompts]
     samples: list[dict] = []
     for seed in REPORT_SEEDS:
-        for i in range(0, len(prompts), batch):
-            part = prompts[i : i + batch]
-            replies = target_replies(target, tok, [p.text for p in part], SEED + 1_000 * seed + i, args.max_new)
-            samples += [s | {"prompt": p.text, "category": p.category} for s, p in zip(replies, part, strict=True)]
-    label_samples(target, samples, args.chunk)
+        replies = labelled_replies(args, target, tok, texts, SEED + 1_000 * seed)
+        samples += [s | {"category": p.category} for s, p in zip(replies, prompts, strict=True)]
     args.work.mkdir(parents=True, exist_ok=True)
     torch.save(samples, path)
     return samples
 
 
-def by_category(draft: Any, samples: list[dict], chunk: int) -> dict[str, float]:
-    """Acceptance pooled over the replies of each category of ``samples`` (:func:`report_set`'s)."""
-    got = evaluate(draft, samples, chunk, by_reply=True)
+def by_category(samples: list[dict], got: dict) -> dict[str, float]:
+    """Acceptance pooled over the replies of each category of ``samples`` (:func:`report_set`'s), from their
+    :func:`evaluate` with ``by_reply``."""
     sums: dict[str, list[float]] = {}
     for s, a, n in zip(samples, got["accept_by_reply"], got["positions_by_reply"], strict=True):
         t = sums.setdefault(s.get("category") or "-", [0.0, 0])
@@ -1031,11 +1041,9 @@ def score(args: argparse.Namespace) -> None:
                 f"{name} ({draft.config.num_hidden_layers} layers): {evaluate(draft, heldout, args.chunk)}", flush=True
             )
             if report is not None:
-                figures = evaluate(draft, report, args.chunk)
-                print(f"{name} on {args.report_prompts}: {figures}", flush=True)
-                print(
-                    f"{name} on {args.report_prompts} by category: {by_category(draft, report, args.chunk)}", flush=True
-                )
+                figures = evaluate(draft, report, args.chunk, by_reply=True)
+                print(f"{name} on {args.report_prompts}: {pooled(figures)}", flush=True)
+                print(f"{name} on {args.report_prompts} by category: {by_category(report, figures)}", flush=True)
 
 
 def eval_prompts() -> set[str]:
