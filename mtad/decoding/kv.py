@@ -12,12 +12,15 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PretrainedConfig
 
+from mtad.decoding.context_bias import TokenRows
+
 
 class KVCache:
     """A model's cache of keys and values, the operations decoding needs, and nothing else."""
 
     def __init__(self, config: PretrainedConfig) -> None:
         self._cache = DynamicCache(config=config)
+        self.tokens: TokenRows | None = None  # the ids held, row by row, where a draft's context bias reads them
 
     @property
     def past_key_values(self) -> DynamicCache:
@@ -44,11 +47,15 @@ class KVCache:
         """Repeat the one row ``rows`` times (nothing to do while the cache is empty)."""
         if rows > 1 and self.length:
             self._cache.batch_repeat_interleave(rows)
+            if self.tokens is not None:
+                self.tokens.fan_out(rows)
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep the rows ``index`` (a device tensor, so no host read) in that order."""
         if self.length:
             self._cache.batch_select_indices(index)
+            if self.tokens is not None:
+                self.tokens.select_rows(index)
 
     def keep_row(self, row: int) -> None:
         """Reduce a fanned-out cache to one of its rows."""
@@ -59,6 +66,8 @@ class KVCache:
         """Row i becomes old row ``parent[i]`` (beam search; from one row this also fans out)."""
         if self.length:
             self._cache.reorder_cache(parent)
+            if self.tokens is not None:
+                self.tokens.select_rows(parent)
 
     def keep_positions(self, keep: list[int]) -> None:
         """Keep only the positions ``keep`` (in order), e.g. the context and one path of a token tree."""
@@ -66,6 +75,8 @@ class KVCache:
             idx = torch.tensor(keep, device=layer.keys.device)
             layer.keys = layer.keys.index_select(-2, idx)
             layer.values = layer.values.index_select(-2, idx)
+        if self.tokens is not None:
+            self.tokens.keep_positions(keep)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every key and value tensor held (what the cache costs in memory)."""

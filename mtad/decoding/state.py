@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mtad.decoding.context_bias import ContextBias, weights_of
 from mtad.decoding.features import FeatureLM, Features
 from mtad.decoding.fused import fused_enabled
 from mtad.decoding.kv import KVCache
@@ -55,14 +56,17 @@ class CachedLM:
             ).last_hidden_state
             self.features.write(start, hidden)
             return self.model.get_output_embeddings()(hidden[:, -keep:])[..., : self.vocab].float()
+        past = self.length
         out = self.model(input_ids=tokens, past_key_values=self.cache.past_key_values, use_cache=True, **kwargs)
+        if self.cache.tokens is not None:
+            self.cache.tokens.write(tokens, past)
         return out.logits[:, -keep:].float() if short else out.logits[:, -keep:, : self.vocab].float()
 
     @torch.inference_mode()
     def feed_masked(self, tokens: torch.Tensor, positions: list[int], allow: torch.Tensor) -> torch.Tensor:
         """Run ``tokens`` [1, n] at rotary ``positions`` with ``allow`` [n, past + n] (True = attend), e.g. a
         token tree; fp32 logits of every position [1, n, V]."""
-        device = tokens.device
+        device, past = tokens.device, self.length
         out = self.model(
             input_ids=tokens,
             attention_mask=additive_mask(allow, self.model.dtype).to(device)[None, None],
@@ -70,6 +74,8 @@ class CachedLM:
             past_key_values=self.cache.past_key_values,
             use_cache=True,
         )
+        if self.cache.tokens is not None:
+            self.cache.tokens.write(tokens, past)
         return out.logits[..., : self.vocab].float()
 
     def rollback(self, length: int) -> None:
@@ -150,6 +156,7 @@ class DecodeState:
     steps_done: int = 0
     started: float = field(default_factory=time.perf_counter)
     fused: bool = False  # the bookkeeping runs compiled (:mod:`mtad.decoding.fused`)
+    context: ContextBias | None = None  # the draft's context n-gram bias, where its weights ask for one
     spans: dict[str, list[tuple]] = field(default_factory=lambda: {"draft": [], "target": []})
 
     @classmethod
@@ -176,6 +183,8 @@ class DecodeState:
         )
         if features is not None:
             st.draft = FeatureLM(pair.draft, pair.vocab_size, features, lambda: st.target.length, st.run_context)
+        elif st.draft is not None and (weights := weights_of(pair.draft)):
+            st.context = ContextBias(st.draft, weights)
         return st
 
     @functools.cached_property
@@ -243,6 +252,8 @@ class DecodeState:
         t0 = self.timer.mark()
         logits = lm.feed(tokens, keep=1, columns=True)[:, -1]
         self.spans[phase].append((t0, self.timer.mark()))
+        if self.context is not None and lm is self.draft:  # the bias is the draft's law, so q includes it
+            logits = logits + self.context(lm)
         return logits
 
     def tokens_of(self, lm: CachedLM, index: torch.Tensor) -> torch.Tensor:

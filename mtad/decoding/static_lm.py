@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch._dynamo
 
+from mtad.decoding.context_bias import TokenRows
 from mtad.decoding.fused import fused_enabled
 from mtad.decoding.graphs import ForwardGraphs, graphs_enabled
 from mtad.models.devices import to_device
@@ -71,6 +72,7 @@ class StaticKV:
         self.values: list[torch.Tensor] = []
         self._sets: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self._synced: dict[int, int] = {}  # row count -> leading positions of the shared context its set holds
+        self.tokens: TokenRows | None = None  # the ids held, row by row, where a draft's context bias reads them
 
     @property
     def rows(self) -> int:
@@ -85,6 +87,7 @@ class StaticKV:
         """Empty, for a new generation: the buffers stay, what they hold is void."""
         self.length = self.shared = 0
         self._synced.clear()
+        self.tokens = None
 
     def wrote(self, end: int) -> None:
         """A forward wrote slots ``length …`` up to ``end`` in every row: ``end`` positions are held now (in
@@ -113,12 +116,16 @@ class StaticKV:
         """Repeat the one row ``rows`` times (nothing to do while the cache is empty)."""
         if rows > 1 and self.length and self.rows != rows:
             self.reserve(rows, self.length)
+            if self.tokens is not None:
+                self.tokens.fan_out(rows)
 
     @torch.inference_mode()  # the buffers are inference tensors, changed in place
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep the rows ``index`` (a device tensor, so no host read) in that order."""
         if self.length:
             self._move(index, self.length)
+            if self.tokens is not None:
+                self.tokens.select_rows(index)
 
     def keep_row(self, row: int) -> None:
         """Reduce a fanned-out cache to one of its rows."""
@@ -137,6 +144,8 @@ class StaticKV:
             buf[:, :, : len(keep)] = buf.index_select(2, idx)
         self.length = len(keep)
         self._forget_from(next((i for i, k in enumerate(keep) if i != k), len(keep)))
+        if self.tokens is not None:
+            self.tokens.keep_positions(keep)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every key and value buffer held (what the cache costs in memory)."""
@@ -278,6 +287,8 @@ class StaticLM:
             pos = slots if positions is None else to_device(positions, dev)
             logits = forward(tokens, pos, slots, to_device(allow, dev))
         self.cache.wrote(past + n)
+        if cache.tokens is not None:
+            cache.tokens.write(tokens, past)
         if self.columns is None or columns:
             return logits[..., : self.vocab].float()
         full = logits.new_full((*logits.shape[:-1], self.vocab), float("-inf"), dtype=torch.float32)

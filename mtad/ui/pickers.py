@@ -9,6 +9,7 @@ import gradio as gr
 import torch
 import transformers
 
+from mtad.decoding.context_bias import weights_of
 from mtad.decoding.spec import racers
 from mtad.decoding.static_lm import compiles_draft
 from mtad.models.devices import configure_cpu_threads, resolve_device
@@ -138,7 +139,8 @@ def device_text(record: RunRecord) -> str:
 
 
 def pair_facts(pair: object) -> str:
-    """Parameter counts, dtype and engine of a loaded pair, computed from the models themselves."""
+    """Parameter counts, dtype and engine of a loaded pair, computed from the models themselves, and the
+    draft's context n-gram bias where it has one."""
     d, t = pair.parameters()
     dtype = str(pair.dtype).removeprefix("torch.")
     attention = getattr(pair.target.config, "_attn_implementation", None) or "eager"
@@ -149,7 +151,10 @@ def pair_facts(pair: object) -> str:
             engine = f"compiled target and draft ({inductor})"
         else:
             engine = f"compiled target ({inductor}), {engine} for the draft"
-    return f"draft {millions(d)}, target {millions(t)} parameters · {dtype} · {escape(engine)}"
+    facts = f"draft {millions(d)}, target {millions(t)} parameters · {dtype} · {escape(engine)}"
+    if weights := weights_of(pair.draft):  # the draft's law includes it: what the verify panel's q shows
+        facts += f" · draft copies from the context (n-gram weights {', '.join(f'{w:g}' for w in weights)})"
+    return facts
 
 
 def millions(n: int) -> str:

@@ -1,0 +1,122 @@
+"""The draft's context n-gram bias: a draft that also copies from the context.
+
+Replies often repeat spans of the prompt or of themselves (a name, a code identifier, a quoted phrase), and a
+small draft follows such copies poorly. So each of the draft's logits gets ``weights[n - 1]`` added for every
+order n whose last n tokens of the row also occur earlier in the row followed by that token (prompt lookup,
+Saxena 2023, folded into the draft's own law). The decoders sample from, and judge by, the biased law: it *is*
+the draft's q, so every rule stays exact; only how often the target agrees changes.
+
+:class:`TokenRows` keeps the token ids a cache holds, row by row, through the same operations as the cache
+(fan out, select, reorder, keep a tree path), so the bias reads each row's own text on the device with no
+host read."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+ENV = "MTAD_CONTEXT_BIAS"
+"""Operator override of a draft's weights: ``off``, or comma-separated weights for orders 1, 2, 3 …"""
+
+
+class TokenRows:
+    """The token ids held at each position of each row of a cache: ``ids[:, :length]`` (the cache's length)."""
+
+    def __init__(self, device: torch.device) -> None:
+        with torch.inference_mode():
+            self.ids = torch.zeros(1, 0, dtype=torch.long, device=device)
+
+    @torch.inference_mode()  # as the caches' buffers: changed in place
+    def write(self, tokens: torch.Tensor, at: int) -> None:
+        """``tokens`` [B, n] fed at positions ``at`` … (one held row fans out to B rows, as the caches do)."""
+        rows, n = tokens.shape
+        ids = self.ids
+        if ids.shape[0] != rows:
+            ids = ids[:1].expand(rows, -1)
+        if ids.shape[1] < at + n:
+            grown = ids.new_zeros(rows, max(at + n, 2 * ids.shape[1]))
+            grown[:, : min(at, ids.shape[1])] = ids[:, :at]
+            ids = grown
+        elif ids is not self.ids:
+            ids = ids.clone()
+        ids[:, at : at + n] = tokens
+        self.ids = ids
+
+    @torch.inference_mode()  # as the caches' buffers: changed in place
+    def fan_out(self, rows: int) -> None:
+        """Repeat the one row ``rows`` times."""
+        if rows > 1 and self.ids.shape[0] == 1:
+            self.ids = self.ids.expand(rows, -1).clone()
+
+    @torch.inference_mode()  # as the caches' buffers: changed in place
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep the rows ``index`` (a device tensor) in that order."""
+        self.ids = self.ids.index_select(0, index)
+
+    @torch.inference_mode()  # as the caches' buffers: changed in place
+    def keep_positions(self, keep: list[int]) -> None:
+        """Keep only the positions ``keep`` (in order)."""
+        idx = torch.tensor(keep, device=self.ids.device)
+        self.ids[:, : len(keep)] = self.ids.index_select(1, idx)
+
+
+def weights_of(model: torch.nn.Module) -> tuple[float, ...]:
+    """The bias weights for orders 1, 2, … a draft runs with: ``MTAD_CONTEXT_BIAS`` (``off`` or weights) if
+    set, else the draft config's ``mtad_context_bias`` (chosen on held-out replies when it was trained), else
+    none."""
+    wanted = os.environ.get(ENV, "").strip()
+    if wanted:
+        if wanted.lower() in ("off", "0", "none"):
+            return ()
+        try:
+            weights = tuple(float(w) for w in wanted.split(","))
+        except ValueError as exc:
+            raise ValueError(f"{ENV} must be 'off' or weights such as 0,2,4; got {wanted!r}") from exc
+    else:
+        weights = tuple(getattr(getattr(model, "config", None), "mtad_context_bias", None) or ())
+    if any(w < 0 for w in weights):
+        raise ValueError(f"context bias weights must be non-negative; got {weights}")
+    return weights if any(weights) else ()
+
+
+def context_bias(
+    ids: torch.Tensor, length: int, weights: Sequence[float], column_of: torch.Tensor | None, columns: int
+) -> torch.Tensor:
+    """The bias [B, columns] for the next token of each row of ``ids[:, :length]``: ``weights[n - 1]`` on every
+    column whose token followed an earlier occurrence of the row's last n tokens, summed over the orders n.
+    ``column_of`` [V]: each token's column (``columns`` for a token off a shortlist, whose q stays 0); None
+    when the columns are the vocabulary."""
+    rows = ids.shape[0]
+    bias = torch.zeros(rows, columns + 1, device=ids.device)
+    for n, weight in enumerate(weights, start=1):
+        if not weight or length <= n:
+            continue
+        windows = ids[:, : length - 1].unfold(1, n, 1)  # [B, length - n, n]: each n-gram that has a next token
+        seen = (windows == ids[:, length - n : length].unsqueeze(1)).all(-1)
+        nxt = ids[:, n:length]
+        cols = nxt if column_of is None else column_of[nxt]
+        once = torch.zeros_like(bias).scatter_reduce_(1, cols.clamp_max(columns), seen.float() * weight, "amax")
+        bias += once  # a token seen after the suffix several times gets the order's weight once
+    return bias[:, :columns]
+
+
+class ContextBias:
+    """The bias of one draft LM (:class:`~mtad.decoding.state.CachedLM` or its compiled twin), whose cache it
+    gives a :class:`TokenRows` to keep: ``bias(lm)`` is what to add to the logits the LM just returned over its
+    columns."""
+
+    def __init__(self, lm: object, weights: Sequence[float]) -> None:
+        self.weights = tuple(weights)
+        columns: torch.Tensor | None = lm.columns
+        device = next(lm.model.parameters()).device
+        self.width = lm.vocab if columns is None else columns.numel()
+        self.column_of = None
+        if columns is not None:
+            self.column_of = torch.full((lm.vocab,), self.width, dtype=torch.long, device=device)
+            self.column_of[columns] = torch.arange(self.width, device=device)
+        lm.cache.tokens = TokenRows(device)
+
+    def __call__(self, lm: object) -> torch.Tensor:
+        return context_bias(lm.cache.tokens.ids, lm.length, self.weights, self.column_of, self.width)
