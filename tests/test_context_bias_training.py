@@ -1,0 +1,70 @@
+"""Choosing the context bias weights (training/context_bias.py): its masks are the engine's bias, its
+unbiased score is the trainer's held-out acceptance, and the weights it writes are the ones decoding reads."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+from test_onpolicy import tiny_chat  # noqa: F401  (the fixture)
+
+from mtad.decoding.context_bias import ENV, weights_of
+from training import context_bias as cb
+from training import onpolicy
+
+
+def hand_masks(samples: list[dict], row_of: torch.Tensor, width: int, orders: int) -> torch.Tensor:
+    """For each reply position and order n: the columns of tokens that followed an earlier occurrence of the
+    prefix's last n tokens, by a plain loop over the text."""
+    rows = []
+    for s in samples:
+        ids = s["ids"].tolist()
+        for c in range(s["start"], len(ids) - 1):
+            per = torch.zeros(orders, width, dtype=torch.bool)
+            for n in range(1, orders + 1):
+                suffix = ids[c - n + 1 : c + 1] if c + 1 >= n else None
+                for j in range(n - 1, c):
+                    if suffix is not None and ids[j - n + 1 : j + 1] == suffix and row_of[ids[j + 1]] < width:
+                        per[n - 1, row_of[ids[j + 1]]] = True
+            rows.append(per)
+    return torch.stack(rows, dim=1)
+
+
+@pytest.fixture(scope="module")
+def labelled(tiny_chat):  # noqa: ANN001, ANN201, F811
+    tok, target, path = tiny_chat
+    samples = onpolicy.target_replies(target, tok, ["abcabcabc", "cab cab ba", "aabaab"], seed=2, max_new=30)
+    onpolicy.label_samples(target, samples, chunk=2)
+    return onpolicy.load_draft(path).eval(), samples, path
+
+
+def test_the_masks_are_the_engines_bias_order_by_order(labelled) -> None:  # noqa: ANN001
+    draft, samples, _ = labelled
+    row_of = draft.model.embed_tokens.row_of
+    width = draft.shortlist_logits(torch.zeros(1, draft.config.hidden_size)).shape[-1]
+    got = cb.order_masks(samples, row_of, width, 3)
+    assert torch.equal(got, hand_masks(samples, row_of, width, 3))
+    assert got[0].any() and got[1].any(), "the replies repeat tokens: some orders must match"
+
+
+def test_with_no_bias_the_score_is_the_trainers_held_out_acceptance(labelled) -> None:  # noqa: ANN001
+    draft, samples, _ = labelled
+    score = cb.scorer(draft, samples, 2)
+    plain = onpolicy.evaluate(draft, samples)
+    assert score((0.0, 0.0))["accept"] == pytest.approx(plain["accept"], abs=1e-6)
+    assert score((0.0, 0.0))["agree"] == pytest.approx(plain["agree"], abs=1e-6)
+    assert score((2.0, 2.0))["accept"] != pytest.approx(plain["accept"], abs=1e-4)
+
+
+def test_the_written_weights_are_the_ones_decoding_reads(labelled, tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    from transformers import AutoConfig
+
+    _, _, path = labelled
+    config = json.loads((path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    cb.write_weights(tmp_path, [0.5, 2.0, 0.0])
+    monkeypatch.delenv(ENV, raising=False)
+    model = argparse.Namespace(config=AutoConfig.from_pretrained(tmp_path))
+    assert weights_of(model) == (0.5, 2.0)

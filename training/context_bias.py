@@ -1,0 +1,140 @@
+"""Choose the draft's context n-gram bias weights (:mod:`mtad.decoding.context_bias`) by held-out acceptance.
+
+Teacher-forced, as the on-policy trainer scores a draft: the exact 1 - TV of the warped laws at every position
+of the target's own replies to held-out instructions the target writes (``<work>/heldout.pt``, made as the
+trainer makes it when missing), with the draft's logits plus the bias the engine would add there. The weights
+with the highest acceptance are chosen; ``--write`` puts them in the draft's ``config.json``
+(``mtad_context_bias``), which the decoders read. ``--report-prompts FILE`` scores the chosen weights on the
+target's replies to FILE's prompts too, by category: a report, nothing is chosen on it.
+
+    python -m training.context_bias --work .train-onpolicy --report-prompts assets/prompts/chat.jsonl --write
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mtad.decoding.context_bias import context_bias
+from training import onpolicy as op
+
+GRID = {1: (0.0, 0.5, 1.0), 2: (0.0, 1.0, 2.0, 3.0), 3: (0.0, 1.0, 2.0, 4.0), 4: (0.0, 2.0)}
+"""Each order's candidate weights (orders 1 to 4); the grid is every combination."""
+
+
+def order_masks(samples: list[dict], column_of: torch.Tensor, width: int, orders: int) -> torch.Tensor:
+    """[orders, positions, width]: whether the engine's bias of order n (weight 1, the others 0) is on for a
+    column at each reply position of ``samples`` (the position before each reply token, as
+    :func:`training.onpolicy.reply_positions` orders them): :func:`~mtad.decoding.context_bias.context_bias`
+    itself, over each position's own prefix."""
+    one_hot = [tuple(float(i == n) for i in range(orders)) for n in range(orders)]
+    rows = []
+    for s in samples:
+        ids = s["ids"].long().view(1, -1)
+        for c in range(s["start"], len(s["ids"]) - 1):
+            rows.append(torch.stack([context_bias(ids, c + 1, w, column_of, width)[0] for w in one_hot]))
+    return torch.stack(rows, dim=1) > 0
+
+
+@torch.inference_mode()
+def shortlist_logits(draft: Any, samples: list[dict], chunk: int = 8) -> torch.Tensor:
+    """The draft's shortlist logits at every reply position of ``samples``, teacher-forced, in fp32."""
+    out = []
+    for i in range(0, len(samples), chunk):
+        part = samples[i : i + chunk]
+        ids, mask = op.padded(part, op.CPU)
+        rows, cols = op.reply_positions(part, op.CPU)
+        hidden = draft.model(input_ids=ids, attention_mask=mask).last_hidden_state
+        out.append(draft.shortlist_logits(hidden[rows, cols]).float())
+    return torch.cat(out)
+
+
+def scorer(draft: Any, samples: list[dict], orders: int) -> Any:
+    """A function of weights giving :func:`training.onpolicy.draft_terms`' pooled acceptance and agreement on
+    ``samples`` with the bias of those weights (each position's masks and the draft's logits computed once)."""
+    row_of = draft.model.embed_tokens.row_of
+    logits = shortlist_logits(draft, samples)
+    masks = order_masks(samples, row_of, logits.shape[-1], orders)
+    labels = {k: torch.cat([s[k] for s in samples]) for k in ("idx", "lp", "pw")}
+
+    def score(weights: tuple[float, ...]) -> dict[str, float]:
+        biased = logits + sum(w * masks[n] for n, w in enumerate(weights) if w)
+        terms = op.draft_terms(biased, row_of, labels["idx"], labels["lp"], labels["pw"])
+        return {"accept": terms["accept"].mean().item(), "agree": terms["agree"].mean().item()}
+
+    return score
+
+
+def heldout(args: argparse.Namespace) -> list[dict]:
+    """The trainer's held-out set (target-written instructions), made as ``--stage train`` makes it if missing."""
+    if not (args.work / "heldout.pt").exists():
+        target, tok = op.load_target(args.target, op.CPU, tokenizer=args.draft)
+        args.work.mkdir(parents=True, exist_ok=True)
+        return op.heldout_set(args, target, tok, op.CPU)
+    return torch.load(args.work / "heldout.pt", weights_only=False)
+
+
+def choose(args: argparse.Namespace) -> dict:
+    """Score every weight combination of :data:`GRID` on the held-out replies; the best, and the reports."""
+    torch.set_num_threads(args.threads)
+    draft = op.load_draft(args.draft).eval()
+    samples = heldout(args)
+    t0 = time.time()
+    score = scorer(draft, samples, len(GRID))
+    figures = {w: score(w) for w in itertools.product(*GRID.values())}
+    best = max(figures, key=lambda w: figures[w]["accept"])
+    none = tuple(0.0 for _ in GRID)
+    out = {
+        "weights": list(best),
+        "heldout": {"none": figures[none], "chosen": figures[best], "replies": len(samples)},
+        "seconds": time.time() - t0,
+    }
+    print(f"[context-bias] held-out, no bias {figures[none]}, {best}: {figures[best]}", flush=True)
+    if args.report_prompts:
+        report = op.report_set(args, op.CPU)
+        score_r = scorer(draft, report, len(GRID))
+        out["report"] = {"file": str(args.report_prompts), "none": score_r(none), "chosen": score_r(best)}
+        print(f"[context-bias] on {args.report_prompts}: {out['report']}", flush=True)
+    return out
+
+
+def write_weights(draft_dir: Path, weights: list[float]) -> None:
+    """Put the weights in the draft's ``config.json`` as ``mtad_context_bias`` (trailing zero orders dropped)."""
+    while weights and not weights[-1]:
+        weights = weights[:-1]
+    path = draft_dir / "config.json"
+    config = json.loads(path.read_text())
+    config["mtad_context_bias"] = weights
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--work", type=Path, default=op.WORK, help="where the held-out set is (or is made)")
+    ap.add_argument("--draft", type=Path, default=op.DRAFT)
+    ap.add_argument("--target", default=None, help="the target: a GGUF file or transformers directory (the preset's)")
+    ap.add_argument("--report-prompts", default=None, help="also score on the target's replies to these prompts")
+    ap.add_argument("--write", action="store_true", help="write the chosen weights into the draft's config.json")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--heldout", type=int, default=96)
+    ap.add_argument("--heldout-batch", type=int, default=16)
+    ap.add_argument("--max-new", type=int, default=128)
+    ap.add_argument("--chunk", type=int, default=8)
+    args = ap.parse_args(argv)
+    args.heldout_prompts = "target"
+    out = choose(args)
+    (args.work / "context-bias.json").write_text(json.dumps(out, indent=2) + "\n")
+    if args.write:
+        write_weights(args.draft, out["weights"])
+        print(f"[context-bias] wrote {out['weights']} to {args.draft / 'config.json'}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
