@@ -87,19 +87,27 @@ def context_bias(
     """The bias [B, columns] for the next token of each row of ``ids[:, :length]``: ``weights[n - 1]`` on every
     column whose token followed an earlier occurrence of the row's last n tokens, summed over the orders n.
     ``column_of`` [V]: each token's column (``columns`` for a token off a shortlist, whose q stays 0); None
-    when the columns are the vocabulary."""
-    rows = ids.shape[0]
-    bias = torch.zeros(rows, columns + 1, device=ids.device)
-    for n, weight in enumerate(weights, start=1):
-        if not weight or length <= n:
-            continue
-        windows = ids[:, : length - 1].unfold(1, n, 1)  # [B, length - n, n]: each n-gram that has a next token
-        seen = (windows == ids[:, length - n : length].unsqueeze(1)).all(-1)
-        nxt = ids[:, n:length]
-        cols = nxt if column_of is None else column_of[nxt]
-        once = torch.zeros_like(bias).scatter_reduce_(1, cols.clamp_max(columns), seen.float() * weight, "amax")
-        bias += once  # a token seen after the suffix several times gets the order's weight once
-    return bias[:, :columns]
+    when the columns are the vocabulary.
+
+    All orders at once, a dozen operations: position j matches to order n when the n tokens ending at j equal
+    the row's last n, so a cumulative product over the tokens back from j gives every order's match."""
+    rows, orders = ids.shape[0], min(len(weights), length - 1)
+    if orders < 1:
+        return torch.zeros(rows, columns, device=ids.device)
+    # windows[b, j, k] = ids[b, j - k]: the tokens back from each position j that has a next token (before the
+    # text, -1: no token, so no match runs past its start)
+    before = torch.nn.functional.pad(ids[:, : length - 1], (orders - 1, 0), value=-1)
+    windows = before.unfold(1, orders, 1).flip(-1)  # [B, length - 1, orders]
+    suffix = ids[:, length - orders : length].flip(-1)  # the row's last tokens, newest first
+    seen = (windows == suffix.unsqueeze(1)).cumprod(-1)  # order k + 1 matched at position j
+    nxt = ids[:, 1:length]  # the token after each position
+    cols = nxt if column_of is None else column_of[nxt]
+    slot = cols.clamp_max(columns).unsqueeze(-1) + (columns + 1) * torch.arange(orders, device=ids.device)
+    weight = torch.tensor(weights[:orders], dtype=torch.float32, device=ids.device)
+    per_order = torch.zeros(rows, orders * (columns + 1), device=ids.device)
+    # a token seen after the suffix several times gets each order's weight once
+    per_order.scatter_reduce_(1, slot.flatten(1), (seen * weight).flatten(1), "amax")
+    return per_order.view(rows, orders, columns + 1).sum(1)[:, :columns]
 
 
 class ContextBias:
