@@ -68,3 +68,23 @@ def test_the_written_weights_are_the_ones_decoding_reads(labelled, tmp_path, mon
     monkeypatch.delenv(ENV, raising=False)
     model = argparse.Namespace(config=AutoConfig.from_pretrained(tmp_path))
     assert weights_of(model) == (0.5, 2.0)
+
+
+def test_the_command_chooses_on_the_held_out_set_and_writes_the_best(labelled, tmp_path) -> None:  # noqa: ANN001
+    import shutil
+
+    draft, samples, path = labelled
+    work, out = tmp_path / "work", tmp_path / "draft"
+    work.mkdir()
+    torch.save(samples, work / "heldout.pt")
+    shutil.copytree(path, out)
+    assert cb.main(["--work", str(work), "--draft", str(out), "--write", "--threads", "1"]) == 0
+    chosen = json.loads((work / "context-bias.json").read_text())
+    score = cb.scorer(draft, samples, len(cb.GRID))
+    best = max(score(w)["accept"] for w in [(0.0,) * 4, (0.5, 2.0, 4.0, 2.0), (1.0, 3.0, 4.0, 2.0)])
+    assert chosen["heldout"]["chosen"]["accept"] >= best - 1e-9
+    assert chosen["heldout"]["chosen"]["accept"] == pytest.approx(score(tuple(chosen["weights"]))["accept"])
+    want = list(chosen["weights"])
+    while want and not want[-1]:
+        want.pop()  # trailing orders of weight 0 are left out
+    assert json.loads((out / "config.json").read_text()).get("mtad_context_bias", []) == want
