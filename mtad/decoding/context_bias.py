@@ -89,25 +89,26 @@ def context_bias(
     ``column_of`` [V]: each token's column (``columns`` for a token off a shortlist, whose q stays 0); None
     when the columns are the vocabulary.
 
-    All orders at once, a dozen operations: position j matches to order n when the n tokens ending at j equal
-    the row's last n, so a cumulative product over the tokens back from j gives every order's match."""
+    A position j matches to order n when the n tokens ending at j equal the row's last n: a cumulative product
+    over the tokens back from j gives every order's match at once, and j's value is the sum of the weights of
+    the orders it matches. Matches are nested (order n implies n - 1) and weights non-negative, so a token's
+    bias, each order's weight once if any position after which it came matches that order, is the largest
+    value of those positions: one ``scatter_reduce`` (amax) for all orders."""
     rows, orders = ids.shape[0], min(len(weights), length - 1)
+    bias = torch.zeros(rows, columns + 1, device=ids.device)
     if orders < 1:
-        return torch.zeros(rows, columns, device=ids.device)
-    # windows[b, j, k] = ids[b, j - k]: the tokens back from each position j that has a next token (before the
-    # text, -1: no token, so no match runs past its start)
+        return bias[:, :columns]
+    # windows[b, j, k] = ids[b, j - k] for each position j that has a next token (before the text, -1: no
+    # token, so no match runs past its start)
     before = torch.nn.functional.pad(ids[:, : length - 1], (orders - 1, 0), value=-1)
     windows = before.unfold(1, orders, 1).flip(-1)  # [B, length - 1, orders]
     suffix = ids[:, length - orders : length].flip(-1)  # the row's last tokens, newest first
-    seen = (windows == suffix.unsqueeze(1)).cumprod(-1)  # order k + 1 matched at position j
+    matched = (windows == suffix.unsqueeze(1)).cumprod(-1)  # order k + 1 matched at position j
+    weight = torch.tensor(weights[:orders], dtype=torch.float32, device=ids.device)
+    value = matched.to(weight.dtype) @ weight  # [B, length - 1]
     nxt = ids[:, 1:length]  # the token after each position
     cols = nxt if column_of is None else column_of[nxt]
-    slot = cols.clamp_max(columns).unsqueeze(-1) + (columns + 1) * torch.arange(orders, device=ids.device)
-    weight = torch.tensor(weights[:orders], dtype=torch.float32, device=ids.device)
-    per_order = torch.zeros(rows, orders * (columns + 1), device=ids.device)
-    # a token seen after the suffix several times gets each order's weight once
-    per_order.scatter_reduce_(1, slot.flatten(1), (seen * weight).flatten(1), "amax")
-    return per_order.view(rows, orders, columns + 1).sum(1)[:, :columns]
+    return bias.scatter_reduce_(1, cols.clamp_max(columns), value, "amax")[:, :columns]
 
 
 class ContextBias:
