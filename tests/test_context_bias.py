@@ -61,10 +61,11 @@ def test_weights_come_from_the_operator_then_the_draft(monkeypatch: pytest.Monke
     monkeypatch.delenv(ENV, raising=False)
     assert weights_of(draft) == (0.0, 2.0, 4.0)
     assert weights_of(torch.nn.Linear(2, 2)) == ()
+    assert weights_of(draft, exact=False) == ()  # the draft's own weights: exact decoders only
     monkeypatch.setenv(ENV, "off")
     assert weights_of(draft) == ()
     monkeypatch.setenv(ENV, "1, 3")
-    assert weights_of(draft) == (1.0, 3.0)
+    assert weights_of(draft) == weights_of(draft, exact=False) == (1.0, 3.0)  # the operator's: every decoder
     monkeypatch.setenv(ENV, "0,0")
     assert weights_of(draft) == ()
     monkeypatch.setenv(ENV, "two")
@@ -248,6 +249,31 @@ def test_the_status_line_says_when_the_draft_copies_from_the_context(
     from mtad.ui.pickers import pair_facts
 
     monkeypatch.setenv(ENV, "0.5,2")
-    assert "draft copies from the context (n-gram weights 0.5, 2)" in pair_facts(micro_shortlist_pair)
+    assert "every decoder's draft copies from the context (n-gram weights 0.5, 2)" in pair_facts(micro_shortlist_pair)
     monkeypatch.setenv(ENV, "off")
     assert "copies" not in pair_facts(micro_shortlist_pair)
+    monkeypatch.delenv(ENV)
+    monkeypatch.setattr(micro_shortlist_pair.draft.config, "mtad_context_bias", [1.0, 3.0], raising=False)
+    assert "the exact decoders' draft copies from the context (n-gram weights 1, 3)" in pair_facts(micro_shortlist_pair)
+
+
+@pytest.mark.parametrize("method", DRAFTERS)
+def test_the_drafts_own_weights_serve_the_exact_decoders_only(
+    monkeypatch: pytest.MonkeyPatch,
+    micro_shortlist_pair: ModelPair,  # noqa: F811
+    method: str,
+) -> None:
+    """MTAD's and BiLD's texts follow q: the draft's own weights leave them as they were; an operator's
+    weights reach every drafting decoder."""
+    from mtad.decoding.spec import spec_of
+
+    pair = micro_shortlist_pair
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.setattr(pair.draft.config, "mtad_context_bias", [1.0, 3.0], raising=False)
+    settings = Settings(method=method, gamma=3, beams=3, num_drafts=2)
+    st = DecodeState.start(pair, pair.encode("abcab"), settings)
+    assert (st.context is not None) == spec_of(method).exact
+    if st.context is not None:
+        assert st.context.weights == (1.0, 3.0)
+    monkeypatch.setenv(ENV, "2")
+    assert DecodeState.start(pair, pair.encode("abcab"), settings).context.weights == (2.0,)

@@ -18,7 +18,7 @@ import transformers
 
 from mtad.bench.plots import ar_row, figure1_series, save_sweep_figures
 from mtad.bench.run import BenchResult
-from mtad.decoding.context_bias import weights_of
+from mtad.decoding.context_bias import described
 from mtad.decoding.fused import fused_enabled
 from mtad.decoding.spec import registry, spec_of
 from mtad.decoding.static_lm import products
@@ -192,7 +192,7 @@ def environment(
         "draft_source": getattr(pair.draft, "name_or_path", None),
         "target_source": getattr(pair.target, "name_or_path", None),
         "draft_parameters": draft_params,
-        "context_bias": list(weights_of(pair.draft)),  # the draft's n-gram weights (mtad.decoding.context_bias)
+        "context_bias": described(pair.draft),  # the draft's n-gram weights (mtad.decoding.context_bias)
         "target_parameters": target_params,
         "python": platform.python_version(),
         "platform": platform.platform(),

@@ -14,6 +14,7 @@ from mtad.decoding.features import FeatureLM, Features
 from mtad.decoding.fused import fused_enabled
 from mtad.decoding.kv import KVCache
 from mtad.decoding.rules import log_tau
+from mtad.decoding.spec import spec_of
 from mtad.decoding.static_lm import StaticLM, compiles_draft
 from mtad.events import Step
 from mtad.models.devices import to_device
@@ -183,7 +184,7 @@ class DecodeState:
         )
         if features is not None:
             st.draft = FeatureLM(pair.draft, pair.vocab_size, features, lambda: st.target.length, st.run_context)
-        elif st.draft is not None and (weights := weights_of(pair.draft)):
+        elif st.draft is not None and (weights := weights_of(pair.draft, exact=spec_of(settings.method).exact)):
             st.context = ContextBias(st.draft, weights)
         return st
 

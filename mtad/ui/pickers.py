@@ -9,7 +9,7 @@ import gradio as gr
 import torch
 import transformers
 
-from mtad.decoding.context_bias import weights_of
+from mtad.decoding.context_bias import described
 from mtad.decoding.spec import racers
 from mtad.decoding.static_lm import compiles_draft
 from mtad.models.devices import configure_cpu_threads, resolve_device
@@ -152,8 +152,11 @@ def pair_facts(pair: object) -> str:
         else:
             engine = f"compiled target ({inductor}), {engine} for the draft"
     facts = f"draft {millions(d)}, target {millions(t)} parameters · {dtype} · {escape(engine)}"
-    if weights := weights_of(pair.draft):  # the draft's law includes it: what the verify panel's q shows
-        facts += f" · draft copies from the context (n-gram weights {', '.join(f'{w:g}' for w in weights)})"
+    bias = described(pair.draft)
+    if bias["weights"]:  # the draft's law includes it: what the verify panel's q shows
+        where = "every decoder's" if bias["decoders"] == "all drafting" else "the exact decoders'"
+        weights = ", ".join(f"{w:g}" for w in bias["weights"])
+        facts += f" · {where} draft copies from the context (n-gram weights {weights})"
     return facts
 
 
