@@ -21,7 +21,7 @@ ON = "1,2,4"
 
 def bias_of(ids: list[list[int]], weights: tuple[float, ...], width: int = 10, column_of=None) -> torch.Tensor:
     t = torch.tensor(ids)
-    return context_bias(t, t.shape[1], weights, column_of, width)
+    return context_bias(t, t.shape[1], torch.tensor(weights), column_of, width)
 
 
 def test_each_order_adds_its_weight_to_the_tokens_that_followed_the_suffix() -> None:

@@ -93,11 +93,12 @@ def described(model: torch.nn.Module) -> dict[str, object]:
 
 
 def context_bias(
-    ids: torch.Tensor, length: int, weights: Sequence[float], column_of: torch.Tensor | None, columns: int
+    ids: torch.Tensor, length: int, weights: torch.Tensor, column_of: torch.Tensor | None, columns: int
 ) -> torch.Tensor:
     """The bias [B, columns] for the next token of each row of ``ids[:, :length]``: ``weights[n - 1]`` on every
     column whose token followed an earlier occurrence of the row's last n tokens, summed over the orders n.
-    ``column_of`` [V]: each token's column (``columns`` for a token off a shortlist, whose q stays 0); None
+    ``weights``: a 1-D float tensor on ``ids``' device (made once: a fresh one every call would copy from the
+    host on each draft step). ``column_of`` [V]: each token's column (``columns`` for a token off a shortlist, whose q stays 0); None
     when the columns are the vocabulary.
 
     A position j matches to order n when the n tokens ending at j equal the row's last n: a cumulative product
@@ -105,7 +106,7 @@ def context_bias(
     the orders it matches. Matches are nested (order n implies n - 1) and weights non-negative, so a token's
     bias, each order's weight once if any position after which it came matches that order, is the largest
     value of those positions: one ``scatter_reduce`` (amax) for all orders."""
-    rows, orders = ids.shape[0], min(len(weights), length - 1)
+    rows, orders = ids.shape[0], min(weights.shape[0], length - 1)
     bias = torch.zeros(rows, columns + 1, device=ids.device)
     if orders < 1:
         return bias[:, :columns]
@@ -115,8 +116,7 @@ def context_bias(
     windows = before.unfold(1, orders, 1).flip(-1)  # [B, length - 1, orders]
     suffix = ids[:, length - orders : length].flip(-1)  # the row's last tokens, newest first
     matched = (windows == suffix.unsqueeze(1)).cumprod(-1)  # order k + 1 matched at position j
-    weight = torch.tensor(weights[:orders], dtype=torch.float32, device=ids.device)
-    value = matched.to(weight.dtype) @ weight  # [B, length - 1]
+    value = matched.to(weights.dtype) @ weights[:orders]  # [B, length - 1]
     nxt = ids[:, 1:length]  # the token after each position
     cols = nxt if column_of is None else column_of[nxt]
     return bias.scatter_reduce_(1, cols.clamp_max(columns), value, "amax")[:, :columns]
@@ -136,7 +136,8 @@ class ContextBias:
         if columns is not None:
             self.column_of = torch.full((lm.vocab,), self.width, dtype=torch.long, device=device)
             self.column_of[columns] = torch.arange(self.width, device=device)
+        self.weight_tensor = torch.tensor(self.weights, dtype=torch.float32, device=device)
         lm.cache.tokens = TokenRows(device)
 
     def __call__(self, lm: object) -> torch.Tensor:
-        return context_bias(lm.cache.tokens.ids, lm.length, self.weights, self.column_of, self.width)
+        return context_bias(lm.cache.tokens.ids, lm.length, self.weight_tensor, self.column_of, self.width)
