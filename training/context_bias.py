@@ -33,7 +33,7 @@ def order_masks(samples: list[dict], column_of: torch.Tensor, width: int, orders
     column at each reply position of ``samples`` (the position before each reply token, as
     :func:`training.onpolicy.reply_positions` orders them): :func:`~mtad.decoding.context_bias.context_bias`
     itself, over each position's own prefix."""
-    one_hot = [tuple(float(i == n) for i in range(orders)) for n in range(orders)]
+    one_hot = torch.eye(orders)
     rows = []
     for s in samples:
         ids = s["ids"].long().view(1, -1)
@@ -45,14 +45,7 @@ def order_masks(samples: list[dict], column_of: torch.Tensor, width: int, orders
 @torch.inference_mode()
 def shortlist_logits(draft: Any, samples: list[dict], chunk: int = 8) -> torch.Tensor:
     """The draft's shortlist logits at every reply position of ``samples``, teacher-forced, in fp32."""
-    out = []
-    for i in range(0, len(samples), chunk):
-        part = samples[i : i + chunk]
-        ids, mask = op.padded(part, op.CPU)
-        rows, cols = op.reply_positions(part, op.CPU)
-        hidden = draft.model(input_ids=ids, attention_mask=mask).last_hidden_state
-        out.append(draft.shortlist_logits(hidden[rows, cols]).float())
-    return torch.cat(out)
+    return torch.cat([op.reply_logits(draft, samples[i : i + chunk]) for i in range(0, len(samples), chunk)]).float()
 
 
 def scorer(draft: Any, samples: list[dict], orders: int) -> Any:
@@ -61,7 +54,7 @@ def scorer(draft: Any, samples: list[dict], orders: int) -> Any:
     row_of = draft.model.embed_tokens.row_of
     logits = shortlist_logits(draft, samples)
     masks = order_masks(samples, row_of, logits.shape[-1], orders)
-    labels = {k: torch.cat([s[k] for s in samples]) for k in ("idx", "lp", "pw")}
+    labels = op.reply_labels(samples, logits.device)
 
     def score(weights: tuple[float, ...]) -> dict[str, float]:
         biased = logits + sum(w * masks[n] for n, w in enumerate(weights) if w)
@@ -72,12 +65,12 @@ def scorer(draft: Any, samples: list[dict], orders: int) -> Any:
 
 
 def heldout(args: argparse.Namespace) -> list[dict]:
-    """The trainer's held-out set (target-written instructions), made as ``--stage train`` makes it if missing."""
-    if not (args.work / "heldout.pt").exists():
-        target, tok = op.load_target(args.target, op.CPU, tokenizer=args.draft)
-        args.work.mkdir(parents=True, exist_ok=True)
-        return op.heldout_set(args, target, tok, op.CPU)
-    return torch.load(args.work / "heldout.pt", weights_only=False)
+    """The trainer's held-out set (target-written instructions): :func:`training.onpolicy.heldout_set`, which
+    reads ``<work>/heldout.pt`` if its settings match and else makes it (the target loaded only then)."""
+    made = (args.work / "heldout.pt").exists()
+    target, tok = (None, None) if made else op.load_target(args.target, op.CPU, tokenizer=args.draft)
+    args.work.mkdir(parents=True, exist_ok=True)
+    return op.heldout_set(args, target, tok, op.CPU)
 
 
 def choose(args: argparse.Namespace) -> dict:

@@ -480,14 +480,24 @@ def label_samples(
     return samples
 
 
-def batch_terms(draft: Any, samples: list[dict]) -> dict[str, torch.Tensor]:
-    """:func:`draft_terms` over every reply position of ``samples``."""
+def reply_logits(draft: Any, samples: list[dict]) -> torch.Tensor:
+    """The draft's shortlist logits at every reply position of ``samples``, teacher-forced, in one forward."""
     device = draft.model.embed_tokens.weight.device
     ids, mask = padded(samples, device)
     rows, cols = reply_positions(samples, device)
     hidden = draft.model(input_ids=ids, attention_mask=mask).last_hidden_state
-    logits = draft.shortlist_logits(hidden[rows, cols])
-    cat = {k: torch.cat([s[k] for s in samples]).to(device) for k in ("idx", "lp", "pw")}
+    return draft.shortlist_logits(hidden[rows, cols])
+
+
+def reply_labels(samples: list[dict], device: torch.device) -> dict[str, torch.Tensor]:
+    """The target's labels (:func:`label`) at every reply position of ``samples``, in :func:`reply_logits`' order."""
+    return {k: torch.cat([s[k] for s in samples]).to(device) for k in ("idx", "lp", "pw")}
+
+
+def batch_terms(draft: Any, samples: list[dict]) -> dict[str, torch.Tensor]:
+    """:func:`draft_terms` over every reply position of ``samples``."""
+    logits = reply_logits(draft, samples)
+    cat = reply_labels(samples, logits.device)
     return draft_terms(logits, draft.model.embed_tokens.row_of, cat["idx"], cat["lp"], cat["pw"])
 
 
