@@ -716,3 +716,35 @@ def test_decoding_attention_over_strided_buffers_equals_the_fused_kernel(
     )
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(ours.float(), fused, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("n", [2, 5, 8])
+def test_a_few_queries_as_reductions_equal_the_fused_kernel(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
+    """The few-query reductions (bf16's verification; here forced in fp32 to compare at 1e-5), compiled, over
+    strided buffers with a masked slot, equal PyTorch's fused attention; past their query count the batched
+    products take over."""
+    from mtad.models import static_llama
+
+    monkeypatch.setattr(static_llama, "REDUCED_QUERY_DTYPES", (torch.float32,))
+    taken, reduce = [], static_llama._few_query_attention
+
+    def counted(*args: torch.Tensor | float) -> torch.Tensor:
+        taken.append(args[0].shape[2])
+        return reduce(*args)
+
+    monkeypatch.setattr(static_llama, "_few_query_attention", counted)
+    gen = torch.Generator().manual_seed(n)
+    rows, heads, kv_heads, d, capacity, span = 2, 6, 2, 16, 64, 30
+    q = torch.randn(rows, heads, n, d, generator=gen)
+    k_buf, v_buf = torch.randn(2, rows, kv_heads, capacity, d, generator=gen)
+    mask = torch.ones(n, span, dtype=torch.bool).tril(diagonal=span - n)
+    mask[:, 3] = False
+    with torch.inference_mode():
+        ours = torch.compile(_attention, fullgraph=True)(q, k_buf, v_buf, mask, 0.25)
+        nine = q[:, :, :1].expand(-1, -1, 9, -1).contiguous()
+        more = torch.compile(_attention, fullgraph=True)(nine, k_buf, v_buf, mask[:1].expand(9, -1), 0.25)
+    fused = torch.nn.functional.scaled_dot_product_attention(
+        q, k_buf[:, :, :span], v_buf[:, :, :span], attn_mask=mask, scale=0.25, enable_gqa=True
+    )
+    torch.testing.assert_close(ours, fused, rtol=1e-5, atol=1e-5)
+    assert taken == [n] and more.shape[2] == 9  # nine queries: the batched products, not the reductions
