@@ -49,6 +49,43 @@ def test_the_masks_are_the_engines_bias_order_by_order(labelled) -> None:  # noq
     assert got[0].any() and got[1].any(), "the replies repeat tokens: some orders must match"
 
 
+def test_the_trainers_bias_is_the_engines_at_every_reply_position(labelled) -> None:  # noqa: ANN001
+    from mtad.decoding.context_bias import context_bias
+
+    draft, samples, _ = labelled
+    row_of = draft.model.embed_tokens.row_of
+    width = draft.shortlist_logits(torch.zeros(1, draft.config.hidden_size)).shape[-1]
+    weights = torch.tensor([0.5, 2.0, 4.0])
+    want = [
+        context_bias(s["ids"].long().view(1, -1), c + 1, weights, row_of, width)[0]
+        for s in samples
+        for c in range(s["start"], len(s["ids"]) - 1)
+    ]
+    got = onpolicy.reply_bias(samples, weights, row_of, width)
+    assert torch.equal(got, torch.stack(want))
+    assert (got == 2.5).any(), "the replies repeat: some position must match two orders"
+    # a run of one token: no match reaches back before the text's first token
+    run = [{"ids": torch.tensor([3, 3, 3, 3, 3]), "start": 1}]
+    want = [context_bias(run[0]["ids"].view(1, -1), c + 1, weights, torch.arange(5), 5)[0] for c in range(1, 4)]
+    got = onpolicy.reply_bias(run, weights, torch.arange(5), 5)
+    assert torch.equal(got, torch.stack(want)) and got[:, 3].tolist() == [0.5, 2.5, 6.5]
+
+
+def test_the_trainer_scores_and_trains_a_draft_with_the_bias_its_config_carries(labelled, monkeypatch) -> None:  # noqa: ANN001
+    draft, samples, _ = labelled
+    plain = onpolicy.evaluate(draft, samples)
+    monkeypatch.setattr(draft.config, "mtad_context_bias", [0.5, 2.0], raising=False)
+    biased = onpolicy.evaluate(draft, samples)
+    assert biased["accept"] == pytest.approx(cb.scorer(draft, samples, 2)((0.5, 2.0))["accept"], abs=1e-6)
+    assert biased["accept"] != pytest.approx(plain["accept"], abs=1e-4)
+    draft.train()
+    loss = onpolicy.loss_of(onpolicy.batch_terms(draft, samples), kl_weight=0.3)
+    loss.backward()  # the bias is a constant: the gradient reaches the draft's weights through its logits
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in draft.parameters())
+    draft.zero_grad()
+    draft.eval()
+
+
 def test_with_no_bias_the_score_is_the_trainers_held_out_acceptance(labelled) -> None:  # noqa: ANN001
     draft, samples, _ = labelled
     score = cb.scorer(draft, samples, 2)

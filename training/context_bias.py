@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 
-from mtad.decoding.context_bias import context_bias
 from training import onpolicy as op
 
 GRID = {1: (0.0, 0.5, 1.0), 2: (0.0, 1.0, 2.0, 3.0), 3: (0.0, 1.0, 2.0, 4.0), 4: (0.0, 2.0)}
@@ -31,15 +30,10 @@ GRID = {1: (0.0, 0.5, 1.0), 2: (0.0, 1.0, 2.0, 3.0), 3: (0.0, 1.0, 2.0, 4.0), 4:
 def order_masks(samples: list[dict], column_of: torch.Tensor, width: int, orders: int) -> torch.Tensor:
     """[orders, positions, width]: whether the engine's bias of order n (weight 1, the others 0) is on for a
     column at each reply position of ``samples`` (the position before each reply token, as
-    :func:`training.onpolicy.reply_positions` orders them): :func:`~mtad.decoding.context_bias.context_bias`
-    itself, over each position's own prefix."""
+    :func:`training.onpolicy.reply_positions` orders them): the trainer's :func:`~training.onpolicy.reply_bias`,
+    which is the engine's bias at each position's own prefix."""
     one_hot = torch.eye(orders)
-    rows = []
-    for s in samples:
-        ids = s["ids"].long().view(1, -1)
-        for c in range(s["start"], len(s["ids"]) - 1):
-            rows.append(torch.stack([context_bias(ids, c + 1, w, column_of, width)[0] for w in one_hot]))
-    return torch.stack(rows, dim=1) > 0
+    return torch.stack([op.reply_bias(samples, w, column_of, width) for w in one_hot]) > 0
 
 
 @torch.inference_mode()

@@ -494,11 +494,50 @@ def reply_labels(samples: list[dict], device: torch.device) -> dict[str, torch.T
     return {k: torch.cat([s[k] for s in samples]).to(device) for k in ("idx", "lp", "pw")}
 
 
+def reply_bias(samples: list[dict], weights: torch.Tensor, column_of: torch.Tensor, columns: int) -> torch.Tensor:
+    """The draft's context bias at every reply position of ``samples``, in :func:`reply_logits`' order: at the
+    position c, what :func:`mtad.decoding.context_bias.context_bias` adds to the draft's logits after the prefix
+    ``ids[:c + 1]``, for all of a reply's positions at once (``weights`` on the logits' device).
+
+    Position j of the text matches order k at c when the k tokens ending at j equal the k ending at c; its
+    value is the sum of the weights of the orders it matches, and a column's bias the largest value among the
+    positions j < c its token followed."""
+    device = weights.device
+    out = []
+    for s in samples:
+        ids = s["ids"].long().to(device)
+        at = torch.arange(s["start"], len(ids) - 1, device=device)  # the positions c
+        before = torch.arange(len(ids) - 1, device=device)  # the positions j: each has a next token
+        same = ids[:, None] == ids[None, :]
+        matched = torch.ones(len(at), len(before), dtype=torch.bool, device=device)
+        value = torch.zeros(len(at), len(before), device=device)
+        for k, w in enumerate(weights):  # order k + 1: also the tokens k back from c and from j are equal
+            c, j = at - k, before - k
+            matched &= same[c.clamp_min(0)][:, j.clamp_min(0)] & (c[:, None] >= 0) & (j[None, :] >= 0)
+            value += w * matched
+        value = value.masked_fill(before[None, :] >= at[:, None], 0.0)  # only what came before c
+        cols = column_of[ids[1:]].clamp_max(columns).expand(len(at), -1)
+        bias = torch.zeros(len(at), columns + 1, device=device).scatter_reduce_(1, cols, value, "amax")
+        out.append(bias[:, :columns])
+    return torch.cat(out)
+
+
+def bias_weights(draft: Any) -> tuple[float, ...]:
+    """The context bias weights the draft's config carries (``mtad_context_bias``), which the exact decoders
+    add to its logits: the trainer scores and trains the draft with them, as those decoders use it."""
+    return tuple(getattr(draft.config, "mtad_context_bias", None) or ())
+
+
 def batch_terms(draft: Any, samples: list[dict]) -> dict[str, torch.Tensor]:
-    """:func:`draft_terms` over every reply position of ``samples``."""
+    """:func:`draft_terms` over every reply position of ``samples``, the draft's logits with its context bias
+    (:func:`bias_weights`) where its config has one."""
     logits = reply_logits(draft, samples)
+    row_of = draft.model.embed_tokens.row_of
+    if weights := bias_weights(draft):
+        weights_t = torch.tensor(weights, device=logits.device)
+        logits = logits + reply_bias(samples, weights_t, row_of, logits.shape[-1])
     cat = reply_labels(samples, logits.device)
-    return draft_terms(logits, draft.model.embed_tokens.row_of, cat["idx"], cat["lp"], cat["pw"])
+    return draft_terms(logits, row_of, cat["idx"], cat["lp"], cat["pw"])
 
 
 @torch.inference_mode()
