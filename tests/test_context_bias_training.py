@@ -73,6 +73,7 @@ def test_the_trainers_bias_is_the_engines_at_every_reply_position(labelled) -> N
 
 def test_the_trainer_scores_and_trains_a_draft_with_the_bias_its_config_carries(labelled, monkeypatch) -> None:  # noqa: ANN001
     draft, samples, _ = labelled
+    monkeypatch.delenv(ENV, raising=False)
     plain = onpolicy.evaluate(draft, samples)
     monkeypatch.setattr(draft.config, "mtad_context_bias", [0.5, 2.0], raising=False)
     biased = onpolicy.evaluate(draft, samples)

@@ -74,6 +74,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mtad.decoding.context_bias import weights_of
 from mtad.models.devices import to_device
 
 IMPORTED = time.time()
@@ -522,18 +523,13 @@ def reply_bias(samples: list[dict], weights: torch.Tensor, column_of: torch.Tens
     return torch.cat(out)
 
 
-def bias_weights(draft: Any) -> tuple[float, ...]:
-    """The context bias weights the draft's config carries (``mtad_context_bias``), which the exact decoders
-    add to its logits: the trainer scores and trains the draft with them, as those decoders use it."""
-    return tuple(getattr(draft.config, "mtad_context_bias", None) or ())
-
-
 def batch_terms(draft: Any, samples: list[dict]) -> dict[str, torch.Tensor]:
-    """:func:`draft_terms` over every reply position of ``samples``, the draft's logits with its context bias
-    (:func:`bias_weights`) where its config has one."""
+    """:func:`draft_terms` over every reply position of ``samples``, the draft's logits with the context bias
+    the exact decoders add to them (:func:`mtad.decoding.context_bias.weights_of`: the config's weights, or
+    ``MTAD_CONTEXT_BIAS``'s), so the trainer scores and trains the draft as those decoders use it."""
     logits = reply_logits(draft, samples)
     row_of = draft.model.embed_tokens.row_of
-    if weights := bias_weights(draft):
+    if weights := weights_of(draft):
         weights_t = torch.tensor(weights, device=logits.device)
         logits = logits + reply_bias(samples, weights_t, row_of, logits.shape[-1])
     cat = reply_labels(samples, logits.device)
