@@ -404,7 +404,7 @@ def test_both_product_layouts_compiled_equal_a_full_recompute(tiny_pair, kernel:
 
 def products_run(lm: StaticLM, tokens: list[list[int]], keep: int = 1) -> tuple[torch.Tensor, set[str]]:
     """``lm.feed(tokens)``'s logits and which of the engine's product operators ran in it."""
-    ours = {"mtad::packed_linear", "mtad::int8_linear", "mkldnn::_linear_pointwise", "aten::mm", "aten::addmm"}
+    ours = {"mtad::packed_linear", "aten::_weight_int8pack_mm", "mkldnn::_linear_pointwise", "aten::mm", "aten::addmm"}
     ours |= {"aten::linear", "aten::matmul", "aten::bmm"}
     with torch.profiler.profile() as prof:
         logits = lm.feed(torch.tensor(tokens), keep=keep)
@@ -624,11 +624,11 @@ def test_an_int8_draft_s_one_row_bf16_forward_multiplies_with_the_int8_kernel_on
         with torch.profiler.profile() as prof:
             got = static.feed(torch.tensor([[token]]), columns=True)
         torch.testing.assert_close(got, cached.feed(torch.tensor([[token]]), columns=True), rtol=5e-2, atol=1e-1)
-        assert any(e.name == "mtad::int8_linear" for e in prof.events()), "the int8 kernel did not run"
+        assert any(e.name == "aten::_weight_int8pack_mm" for e in prof.events()), "the int8 kernel did not run"
     static.cache.fan_out(2)
     with torch.profiler.profile() as prof:
         static.feed(torch.tensor([[5], [6]]), columns=True)
-    assert not any(e.name == "mtad::int8_linear" for e in prof.events())
+    assert not any(e.name == "aten::_weight_int8pack_mm" for e in prof.events())
     if fp32 is None:
         return
     draft = micro_int8_pair.draft  # fp32, its one row rounded to bf16 for the kernel
@@ -640,7 +640,95 @@ def test_an_int8_draft_s_one_row_bf16_forward_multiplies_with_the_int8_kernel_on
             got = static.feed(torch.tensor([[token]]), columns=True)
         assert got.dtype == torch.float32
         torch.testing.assert_close(got, cached.feed(torch.tensor([[token]]), columns=True), rtol=5e-2, atol=1e-1)
-        assert any(e.name == "mtad::int8_linear" for e in prof.events()), "the int8 kernel did not run"
+        assert any(e.name == "aten::_weight_int8pack_mm" for e in prof.events()), "the int8 kernel did not run"
+
+
+def embedded_and_headed(lm: StaticLM, tokens: list[list[int]]) -> tuple[torch.Tensor, list[str]]:
+    """``lm.feed(tokens)``'s logits (over its columns) and the names of the operators that ran outside a compiled
+    graph's own kernels, once the forward is compiled (a first call compiles it, then is taken back)."""
+    lm.feed(torch.tensor(tokens))
+    lm.rollback(lm.length - len(tokens[0]))
+    with torch.profiler.profile() as prof:
+        logits = lm.feed(torch.tensor(tokens), columns=True)
+    return logits, [e.name for e in prof.events()]
+
+
+def test_a_compiled_forward_embeds_in_its_first_call_and_applies_its_head_in_its_last(
+    monkeypatch: pytest.MonkeyPatch,
+    tiny_pair,
+    micro_int8_pair,  # noqa: F811
+) -> None:
+    """On the compiled engine the embedding, the rotary tables, the final norm and the head run inside the
+    layers' compiled calls (no call of their own): the tiny target in two calls of one layer (the ``gemv``
+    form's head in the second) gives the full recompute's fp32 logits, and an int8 draft's one-row bf16
+    forward multiplies its layers and its shortlist head with the int8 kernel in one call, with its eager
+    engine's logits. A head tied to the embedding, in the call that embeds, leaves the embedding eager."""
+    gemv_up_to(monkeypatch, 1)
+    monkeypatch.setattr("mtad.models.static_llama.MOST_LAYERS_PER_CALL", 1)
+    ids = tiny_pair.encode("abc def gh abba cafe")
+    lm = StaticLM(tiny_pair.target, tiny_pair.vocab_size)
+    lm.feed(torch.tensor([ids[:-3]]))
+    for i in range(len(ids) - 3, len(ids)):
+        logits, ran = embedded_and_headed(lm, [[ids[i]]])
+        torch.testing.assert_close(logits[0, -1], full_logits(tiny_pair.target, ids[: i + 1]), rtol=1e-4, atol=1e-4)
+        assert not {"aten::embedding", "aten::cos", "aten::linear", "aten::mm"} & set(ran), ran
+    monkeypatch.undo()
+    if int8_kernel_input(torch.bfloat16) is None:
+        pytest.skip("needs a CPU whose int8-weight kernel takes bf16 rows")
+    draft = copy.deepcopy(micro_int8_pair.draft).to(torch.bfloat16)
+    static, cached = StaticLM(draft, micro_int8_pair.vocab_size), CachedLM(draft, micro_int8_pair.vocab_size)
+    start = torch.tensor([[1, 2, 9, 3, 4]])
+    static.feed(start), cached.feed(start)
+    for token in (5, 6, 2):
+        got, ran = embedded_and_headed(static, [[token]])
+        torch.testing.assert_close(got, cached.feed(torch.tensor([[token]]), columns=True), rtol=5e-2, atol=1e-1)
+        assert not {"aten::embedding", "aten::cos", "aten::rsqrt"} & set(ran), ran
+        assert ran.count("aten::_weight_int8pack_mm") == 4 * len(draft.model.layers) + 1  # the head's too
+    tied = copy.deepcopy(tiny_pair.target)
+    tied.lm_head.weight = tied.model.embed_tokens.weight
+    lm = StaticLM(tied, tiny_pair.vocab_size)
+    lm.feed(torch.tensor([ids[:-1]]))
+    gemv_up_to(monkeypatch, 1)
+    logits, ran = embedded_and_headed(lm, [[ids[-1]]])
+    torch.testing.assert_close(logits[0, -1], full_logits(tied, ids), rtol=1e-4, atol=1e-4)
+    assert "aten::embedding" in ran
+
+
+@pytest.mark.parametrize(
+    ("rope", "inside"),
+    [
+        ({"rope_type": "default"}, True),
+        ({"rope_type": "linear", "factor": 2.0}, True),
+        ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}, True),
+        ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}, True),
+        ({"rope_type": "dynamic", "factor": 2.0}, False),
+    ],
+)  # fmt: skip
+def test_the_graph_s_embedding_and_rotary_tables_are_the_model_s_own(rope: dict, inside: bool) -> None:
+    """:func:`~mtad.models.static_llama.embed` gives the model's own embedding and rotary tables, to the bit in
+    fp32, for every rotary kind whose frequencies are fixed (yarn's with its attention scaling); a kind that
+    recomputes them from the length (dynamic) keeps the model's own module."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from mtad.models.static_llama import embed, start_of
+
+    config = LlamaConfig(
+        vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, rope_parameters={"rope_theta": 10000.0, **rope},
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    start = start_of(model)
+    assert (start is not None) == inside
+    if not inside:
+        return
+    ids, positions = torch.tensor([[3, 7, 39, 0]]), torch.tensor([0, 5, 90, 200])
+    h, cos, sin = embed(ids, positions, start)
+    own_cos, own_sin = model.model.rotary_emb(h, positions.view(1, -1))
+    assert torch.equal(h, model.model.embed_tokens(ids))
+    assert torch.equal(cos, own_cos.unsqueeze(1)) and torch.equal(sin, own_sin.unsqueeze(1))
+    if rope["rope_type"] == "yarn":
+        assert start[3] != 1.0
 
 
 ONE_ENGINE_RUN = """

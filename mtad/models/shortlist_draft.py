@@ -148,14 +148,9 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        kernel_input = int8_kernel_input(x.dtype) if x.device.type == "cpu" and flat.shape[0] == 1 else None
-        if kernel_input is not None:
-            if self.qweight.data_ptr() % 64:
-                # weights mapped from the checkpoint file at an odd offset crashed the kernel (80 rows,
-                # torch 2.13); a copy from PyTorch's allocator is 64-byte aligned
-                self.qweight = self.qweight.clone()
-            scale = self._keep("scale", kernel_input, lambda: self.scale.to(kernel_input))
-            out = int8_product(flat, self.qweight, scale)
+        kernel = self.kernel_tensors(x.dtype) if x.device.type == "cpu" and flat.shape[0] == 1 else None
+        if kernel is not None:
+            out = int8_product(flat, *kernel)
         elif self.kernel == "onednn" and x.device.type == "cpu" and not x.requires_grad:
             packed = self._keep(
                 "onednn", x.dtype, lambda: torch.ops.mkldnn._reorder_linear_weight(self.dense(x.dtype), None)
@@ -164,6 +159,18 @@ class Int8Linear(nn.Module):
         else:
             out = stationary_linear(flat, self.dense(x.dtype))
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    def kernel_tensors(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The int8 matrix and its row scales as PyTorch's int8 kernel takes them for one row in ``dtype`` on the
+        CPU (:func:`int8_product`), or None where that row does not enter the kernel (:func:`int8_kernel_input`)."""
+        kernel_input = int8_kernel_input(dtype)
+        if kernel_input is None:
+            return None
+        if self.qweight.data_ptr() % 64:
+            # weights mapped from the checkpoint file at an odd offset crashed the kernel (80 rows,
+            # torch 2.13); a copy from PyTorch's allocator is 64-byte aligned
+            self.qweight = self.qweight.clone()
+        return self.qweight, self._keep("scale", kernel_input, lambda: self.scale.to(kernel_input))
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
         """:meth:`dequantize` in ``dtype``, made once and kept until the weights change."""
@@ -257,17 +264,22 @@ class ShortlistForCausalLM(LlamaPreTrainedModel, GenerationMixin):
         A draft with int8 layers has an int8 head too when it runs (not when it trains): the shortlist
         rows quantised like the layers on first use, so SD's one-row drafting reads half the head's
         bytes. The input embedding keeps the rows as they are."""
-        weight = self.model.embed_tokens.weight[: self.config.shortlist_size]
         if self.config.int8_layers and not hidden.requires_grad:
-            made_from = _stamp(weight)
-            if self._int8_head is None or self._int8_head[0] != made_from:
-                head = Int8Linear.from_weight(weight)
-                head.kernel = next(
-                    (m.kernel for m in self.model.layers.modules() if isinstance(m, Int8Linear)), head.kernel
-                )
-                self._int8_head = (made_from, head)
-            return self._int8_head[1](hidden)
-        return stationary_linear(hidden, weight)
+            return self.int8_head()(hidden)
+        return stationary_linear(hidden, self.model.embed_tokens.weight[: self.config.shortlist_size])
+
+    def int8_head(self) -> Int8Linear:
+        """The shortlist head as an int8 layer (what an int8 draft multiplies by when it runs): made from the
+        embedding's shortlist rows on first use, and again only when they change."""
+        weight = self.model.embed_tokens.weight[: self.config.shortlist_size]
+        made_from = _stamp(weight)
+        if self._int8_head is None or self._int8_head[0] != made_from:
+            head = Int8Linear.from_weight(weight)
+            head.kernel = next(
+                (m.kernel for m in self.model.layers.modules() if isinstance(m, Int8Linear)), head.kernel
+            )
+            self._int8_head = (made_from, head)
+        return self._int8_head[1]
 
     def forward(
         self,

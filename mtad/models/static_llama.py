@@ -77,12 +77,11 @@ def supports(model: torch.nn.Module) -> str | None:
     return None
 
 
-# The compiled graphs call these two products as opaque operators (the compiler cannot lower a packed weight
-# that comes in as an input rather than a constant). They are declared with torch.library's low-level
+# The compiled graphs call the packed product as an opaque operator (the compiler cannot lower a packed weight
+# that comes in as an input rather than a constant). It is declared with torch.library's low-level
 # define/impl rather than ``custom_op``, whose wrapper costs 3.4 us more a call (13.3 against 16.8 us on a
 # 64 x 64 product): 0.4 ms of a 13 ms forward of 30 layers x 4 products.
 torch.library.define("mtad::packed_linear", "(Tensor x, Tensor packed, int out_features) -> Tensor")
-torch.library.define("mtad::int8_linear", "(Tensor x, Tensor qweight, Tensor scale, int out_features) -> Tensor")
 
 
 @torch.library.impl("mtad::packed_linear", "CompositeExplicitAutograd")
@@ -90,29 +89,23 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> 
     return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")  # any leading dims
 
 
-@torch.library.impl("mtad::int8_linear", "CompositeExplicitAutograd")
-def _int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, out_features: int) -> torch.Tensor:
-    flat = x.reshape(-1, x.shape[-1]).contiguous()
-    return shortlist_draft.int8_product(flat, qweight, scale).reshape(*x.shape[:-1], out_features)
-
-
 @torch.library.register_fake("mtad::packed_linear")
 def _(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], out_features)
-
-
-@torch.library.register_fake("mtad::int8_linear")
-def _(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, out_features: int) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], out_features)
 
 
 packed_linear = torch.ops.mtad.packed_linear.default
 """``packed_linear(x, packed, out_features)``: ``x @ W.T`` with ``W`` prepacked for oneDNN
 (``mtad.models.kernels``)."""
-int8_linear = torch.ops.mtad.int8_linear.default
-"""``int8_linear(x, qweight, scale, out_features)``: ``x @ (qweight * scale[:, None]).T`` by PyTorch's int8-weight
-kernel (``aten._weight_int8pack_mm``), which reads half the bytes of a bf16 product: what an int8 draft's
-one-row bf16 forward multiplies with on either engine (:class:`mtad.models.shortlist_draft.Int8Linear`)."""
+
+
+def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``x @ (qweight * scale[:, None]).T`` by PyTorch's int8-weight kernel (``aten._weight_int8pack_mm``), which
+    reads half the bytes of a bf16 product: what an int8 draft's one-row forward multiplies with on either engine
+    (:class:`mtad.models.shortlist_draft.Int8Linear`). Compiled, inductor calls the kernel straight from its
+    wrapper (an operator of this library's around it cost 18 us more a call: 8 of a draft's 9 products)."""
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    return shortlist_draft.int8_product(flat, qweight, scale).reshape(*x.shape[:-1], out_features)
 
 
 LayerWeights = tuple[tuple[torch.Tensor, ...], str, tuple[int, ...]]
@@ -429,6 +422,107 @@ def decoder_layers(
     return h
 
 
+Start = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, float]
+"""What turns token ids into a forward's first hidden states and rotary tables (:func:`start_of`): the
+embedding's matrix, a shortlist embedding's row of each token id (None for a plain embedding), the rotary
+embedding's inverse frequencies and its attention scaling."""
+
+End = tuple[str, torch.Tensor, float, tuple[torch.Tensor, ...]]
+"""What turns a forward's last hidden states into its logits (:func:`end_of`): the head's form (``gemv``: the
+output matrix streamed by a reduction; ``int8``: a shortlist draft's int8 head through PyTorch's int8 kernel),
+the final norm's weight and epsilon, and the head's tensors."""
+
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+"""Rotary embeddings whose inverse frequencies never change with the input (transformers' dynamic and long-RoPE
+kinds recompute them from the sequence length, so their tables are made outside the graph)."""
+
+
+def start_of(model: torch.nn.Module) -> Start | None:
+    """:data:`Start` of ``model`` for its compiled forwards, or None where the embedding or the rotary embedding
+    is not one whose arithmetic :func:`embed` repeats exactly (those run as the model's own modules)."""
+    inner = model.model
+    embedding, rope = inner.embed_tokens, inner.rotary_emb
+    row_of = getattr(embedding, "row_of", None)
+    if type(embedding) not in (torch.nn.Embedding, shortlist_draft.ShortlistEmbedding):  # a subclass may scale
+        return None
+    if getattr(rope, "rope_type", None) not in STATIC_ROPE_TYPES or not isinstance(rope.inv_freq, torch.Tensor):
+        return None
+    return embedding.weight, row_of, rope.inv_freq, float(rope.attention_scaling)
+
+
+def embed(ids: torch.Tensor, positions: torch.Tensor, start: Start) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Hidden states [rows, n, hidden] of ``ids`` [rows, n] and the rotary tables [1, 1, n, head_dim] at
+    ``positions`` [n]: the embedding lookup, and transformers' rotary arithmetic (fp32 angles, scaled, cast)."""
+    weight, row_of, inv_freq, attention_scaling = start
+    h = F.embedding(ids if row_of is None else row_of[ids], weight)
+    freqs = positions[:, None].float() * inv_freq.float()
+    angles = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = angles.cos() * attention_scaling, angles.sin() * attention_scaling
+    return h, cos.to(h.dtype)[None, None], sin.to(h.dtype)[None, None]
+
+
+def end_of(model: torch.nn.Module, layers: list[LayerWeights], rows: int, keep: int) -> End | None:
+    """:data:`End` of ``model`` for a compiled forward that keeps ``keep`` positions of ``rows`` rows with
+    ``layers``' forms, or None where its head runs as the model's own module: the ``gemv`` form's output
+    matrix when the kept positions are few enough to reduce against it, and an int8 draft's shortlist head in
+    a one-row forward that enters PyTorch's int8 kernel (where its layers do, :func:`int8_layer_weights`)."""
+    inner = model.model
+    norm = (inner.norm.weight, float(inner.norm.variance_epsilon))
+    lm_head = getattr(model, "lm_head", None)
+    form = layers[0][1]
+    if form == "gemv" and head(model) is lm_head and getattr(lm_head, "bias", 0) is None:
+        if keep * lm_head.in_features * lm_head.weight.element_size() <= GEMV_INPUT_BYTES:
+            return "gemv", *norm, (lm_head.weight,)
+    int8_head = getattr(model, "int8_head", None)
+    if form == "int8" and rows == 1 and keep == 1 and int8_head is not None:
+        kernel = int8_head().kernel_tensors(norm[0].dtype)
+        if kernel is not None:
+            return "int8", *norm, kernel
+    return None
+
+
+def logits_of(h: torch.Tensor, end: End) -> torch.Tensor:
+    """The final norm and the head of :data:`End` over ``h`` [rows, keep, hidden]."""
+    form, norm, eps, tensors = end
+    x = _rms_norm(h, norm, eps)
+    if form == "gemv":  # the largest matrix a small model reads (SmolLM2's 49,152 x 576), streamed like the layers'
+        return _gemv(x, tensors[0])
+    return int8_linear(x, *tensors, tensors[0].shape[0])
+
+
+def _shares(tensor: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Whether ``tensor`` shares its storage with any of ``others`` (a head tied to the embedding)."""
+    return any(tensor.untyped_storage().data_ptr() == o.untyped_storage().data_ptr() for o in others)
+
+
+def forward_part(
+    x: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    mask: torch.Tensor,
+    slots: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    layers: list[LayerWeights],
+    head_dim: int,
+    scaling: float,
+    eps: float,
+    start: Start | None = None,
+    end: End | None = None,
+    keep: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Some of a forward's decoder layers (:func:`decoder_layers`) in one call, and in the first call the
+    embedding and rotary tables, in the last the head, so that none of it is a call of its own: with ``start``,
+    ``x`` is token ids [rows, n] and ``cos`` their positions [n], None for ``slots`` (:func:`embed`); else ``x``
+    is hidden states and ``cos``, ``sin`` the tables. Returns the hidden states, or with ``end`` the logits of
+    the last ``keep`` positions (:func:`logits_of`), and the tables for the next call. SmolLM2's int8 draft took
+    1.47 ms a one-row bf16 forward with these outside its compiled call, 1.08 ms with them in it (one thread)."""
+    if start is not None:
+        x, cos, sin = embed(x, slots if cos is None else cos, start)
+    h = decoder_layers(x, cos, sin, mask, slots, keys, values, layers, head_dim, scaling, eps)
+    return (h if end is None else logits_of(h[:, -keep:], end)), cos, sin
+
+
 RECOMPILE_LIMIT = 64
 """Graphs dynamo keeps per compiled function (its default is 8): a forward has one per form, row count and
 token count; a fused rule (:mod:`mtad.decoding.fused`) one per combination of greedy or sampling, top-p and
@@ -442,16 +536,16 @@ attention recomputed the query's rotary embedding for every key it scores."""
 
 # The layers' weights are inputs, so one graph of a few layers serves every run of that many layers of every
 # model of those shapes: a new (rows, tokens) shape compiles it once, in seconds, not a whole model's graph.
-compiled_layers = torch.compile(decoder_layers, options=REALIZE_REUSED)
+compiled_layers = torch.compile(forward_part, options=REALIZE_REUSED)
 
 
-def gemv_layers(*args: Any) -> torch.Tensor:
-    """:func:`decoder_layers` as the ``gemv`` form compiles it: its own function, so its compiled code sits
+def gemv_part(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`forward_part` as the ``gemv`` form compiles it: its own function, so its compiled code sits
     apart from the other forms' and a call checks only its own cache entries."""
-    return decoder_layers(*args)
+    return forward_part(*args)
 
 
-compiled_gemv_layers = torch.compile(gemv_layers, options=REALIZE_REUSED)
+compiled_gemv_layers = torch.compile(gemv_part, options=REALIZE_REUSED)
 
 MOST_LAYERS_PER_CALL = 6
 """The most decoder layers one compiled call runs. Each call costs host work (guards, the compiled
@@ -481,38 +575,42 @@ def llama_forward(
 ) -> torch.Tensor:
     """Logits [rows, keep, V] of the last ``keep`` of ``ids`` [rows, n] at rotary ``positions`` [n], their
     keys and values written at cache ``slots`` [n]; ``mask`` [n, S] (True = attend) over the first S slots.
-    ``layers``: :func:`layer_weights` of each layer. The model's own embedding, rotary embedding, final norm
-    and :func:`head` run eagerly (a shortlist draft's logits cover its shortlist only); the decoder layers
-    run :func:`decoder_layers` in runs of :func:`layers_per_call`, compiled or not."""
+    ``layers``: :func:`layer_weights` of each layer. The decoder layers run in runs of :func:`layers_per_call`,
+    compiled or not; compiled, the first run also embeds the tokens and the last applies the head where
+    :func:`start_of` and :func:`end_of` allow, and elsewhere the model's own modules run them eagerly (a
+    shortlist draft's logits cover its shortlist only)."""
     inner = model.model
-    h = inner.embed_tokens(ids)
-    cos, sin = inner.rotary_emb(h, positions.view(1, -1))
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    rows = ids.shape[0]
+    start = start_of(model) if compiled else None
+    end = end_of(model, layers, rows, keep) if compiled else None
+    step = layers_per_call(len(layers))
+    if start is not None and end is not None and step == len(layers) and _shares(start[0], *end[3]):
+        # a tied head in the call that embeds: dynamo guards arguments that alias each other, and working out
+        # why such a guard failed raised IndexError at the next recompilation (torch 2.13), so it embeds eagerly
+        start = None
+    if start is None:
+        h = inner.embed_tokens(ids)
+        cos, sin = inner.rotary_emb(h, positions.view(1, -1))
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    else:  # the first compiled call embeds them, at the slots when the positions are those (no argument twice);
+        # copies made in this mode, as the embedding's output was, so a caller's ids made outside inference mode
+        # and another's made in it are the same graph's input
+        h, cos, sin = ids.clone(), None if positions is slots else positions.clone(), None
     if compiled:
         cache_per_capability()
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         torch._dynamo.mark_dynamic(mask, 1)  # a longer context is the same graph
-        if h.shape[0] > 1:
+        if rows > 1:
             torch._dynamo.mark_dynamic(h, 0)  # and so is any count of rows from two on (beams, drafts)
-    gemv = layers[0][1] == "gemv"
-    run = (compiled_gemv_layers if gemv else compiled_layers) if compiled else decoder_layers
     attn = inner.layers[0].self_attn
     eps = inner.layers[0].input_layernorm.variance_epsilon
-    step = layers_per_call(len(layers))
+    if not compiled:
+        h = decoder_layers(h, cos, sin, mask, slots, keys, values, layers, attn.head_dim, attn.scaling, eps)
+        return head(model)(inner.norm(h[:, -keep:]))
+    run = compiled_gemv_layers if layers[0][1] == "gemv" else compiled_layers
     for i in range(0, len(layers), step):
         part = slice(i, i + step)
-        h = run(h, cos, sin, mask, slots, keys[part], values[part], layers[part], attn.head_dim, attn.scaling, eps)
-    last = h[:, -keep:]
-    lm_head = getattr(model, "lm_head", None)
-    if compiled and gemv and _reducible(last) and head(model) is lm_head and getattr(lm_head, "bias", 0) is None:
-        return compiled_gemv_logits(last, inner.norm.weight, inner.norm.variance_epsilon, lm_head.weight)
-    return head(model)(inner.norm(last))
-
-
-def gemv_logits(h: torch.Tensor, norm: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
-    """The final norm and the output head of a one-row forward in the ``gemv`` form: the head's matrix, the
-    largest a small model reads (SmolLM2's 49,152 x 576), streamed by a reduction like the layers'."""
-    return _gemv(_rms_norm(h, norm, eps), weight)
-
-
-compiled_gemv_logits = torch.compile(gemv_logits, options=REALIZE_REUSED)
+        first, last = start if i == 0 else None, end if i + step == len(layers) else None
+        args = (h, cos, sin, mask, slots, keys[part], values[part], layers[part], attn.head_dim, attn.scaling, eps)
+        h, cos, sin = run(*args, first, last, keep)
+    return h if end is not None else head(model)(inner.norm(h[:, -keep:]))
