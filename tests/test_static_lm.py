@@ -643,14 +643,19 @@ def test_an_int8_draft_s_one_row_bf16_forward_multiplies_with_the_int8_kernel_on
         assert any(e.name == "aten::_weight_int8pack_mm" for e in prof.events()), "the int8 kernel did not run"
 
 
-def embedded_and_headed(lm: StaticLM, tokens: list[list[int]]) -> tuple[torch.Tensor, list[str]]:
+def embedded_and_headed(lm: StaticLM, tokens: list[list[int]], keep: int = 1) -> tuple[torch.Tensor, list[str]]:
     """``lm.feed(tokens)``'s logits (over its columns) and the names of the operators that ran outside a compiled
     graph's own kernels, once the forward is compiled (a first call compiles it, then is taken back)."""
-    lm.feed(torch.tensor(tokens))
+    lm.feed(torch.tensor(tokens), keep=keep)
     lm.rollback(lm.length - len(tokens[0]))
     with torch.profiler.profile() as prof:
-        logits = lm.feed(torch.tensor(tokens), columns=True)
+        logits = lm.feed(torch.tensor(tokens), keep=keep, columns=True)
     return logits, [e.name for e in prof.events()]
+
+
+EAGER_ENDS = {"aten::embedding", "aten::cos", "aten::rsqrt", "aten::linear", "aten::mm"}
+"""Operators that run outside a compiled graph when a forward's embedding, rotary tables, final norm or head
+do (inside, inductor generates them)."""
 
 
 def test_a_compiled_forward_embeds_in_its_first_call_and_applies_its_head_in_its_last(
@@ -662,7 +667,8 @@ def test_a_compiled_forward_embeds_in_its_first_call_and_applies_its_head_in_its
     layers' compiled calls (no call of their own): the tiny target in two calls of one layer (the ``gemv``
     form's head in the second) gives the full recompute's fp32 logits, and an int8 draft's one-row bf16
     forward multiplies its layers and its shortlist head with the int8 kernel in one call, with its eager
-    engine's logits. A head tied to the embedding, in the call that embeds, leaves the embedding eager."""
+    engine's logits; several tokens or rows multiply a oneDNN head, prepacked, in the graph too. A head tied to
+    the embedding, in the call that embeds, leaves the embedding eager."""
     gemv_up_to(monkeypatch, 1)
     monkeypatch.setattr("mtad.models.static_llama.MOST_LAYERS_PER_CALL", 1)
     ids = tiny_pair.encode("abc def gh abba cafe")
@@ -671,7 +677,17 @@ def test_a_compiled_forward_embeds_in_its_first_call_and_applies_its_head_in_its
     for i in range(len(ids) - 3, len(ids)):
         logits, ran = embedded_and_headed(lm, [[ids[i]]])
         torch.testing.assert_close(logits[0, -1], full_logits(tiny_pair.target, ids[: i + 1]), rtol=1e-4, atol=1e-4)
-        assert not {"aten::embedding", "aten::cos", "aten::linear", "aten::mm"} & set(ran), ran
+        assert not EAGER_ENDS & set(ran), ran
+    packed = copy.deepcopy(tiny_pair.target)
+    use_linear_kernel(packed, "onednn")
+    lm = StaticLM(packed, tiny_pair.vocab_size)
+    assert lm.layers[0][1] == "packed"
+    lm.feed(torch.tensor([ids[:-3]]))
+    block, ran = embedded_and_headed(lm, [ids[-3:]], keep=3)  # three tokens: the packed form and head
+    for j in range(3):
+        expected = full_logits(tiny_pair.target, ids[: len(ids) - 2 + j])
+        torch.testing.assert_close(block[0, j], expected, rtol=1e-4, atol=1e-4)
+    assert not EAGER_ENDS & set(ran), ran
     monkeypatch.undo()
     if int8_kernel_input(torch.bfloat16) is None:
         pytest.skip("needs a CPU whose int8-weight kernel takes bf16 rows")
@@ -682,8 +698,16 @@ def test_a_compiled_forward_embeds_in_its_first_call_and_applies_its_head_in_its
     for token in (5, 6, 2):
         got, ran = embedded_and_headed(static, [[token]])
         torch.testing.assert_close(got, cached.feed(torch.tensor([[token]]), columns=True), rtol=5e-2, atol=1e-1)
-        assert not {"aten::embedding", "aten::cos", "aten::rsqrt"} & set(ran), ran
+        assert not EAGER_ENDS & set(ran), ran
         assert ran.count("aten::_weight_int8pack_mm") == 4 * len(draft.model.layers) + 1  # the head's too
+    use_linear_kernel(draft, "onednn")  # several rows multiply by the dequantised matrices, prepacked
+    static, cached = StaticLM(draft, micro_int8_pair.vocab_size), CachedLM(draft, micro_int8_pair.vocab_size)
+    static.feed(start), cached.feed(start)
+    static.cache.fan_out(2)
+    got, ran = embedded_and_headed(static, [[5], [5]])
+    expected = cached.feed(torch.tensor([[5]]), columns=True)
+    torch.testing.assert_close(got, expected.expand(2, -1, -1), rtol=5e-2, atol=1e-1)
+    assert not EAGER_ENDS & set(ran) and "aten::_weight_int8pack_mm" not in ran, ran
     tied = copy.deepcopy(tiny_pair.target)
     tied.lm_head.weight = tied.model.embed_tokens.weight
     lm = StaticLM(tied, tiny_pair.vocab_size)

@@ -152,10 +152,9 @@ class Int8Linear(nn.Module):
         if kernel is not None:
             out = int8_product(flat, *kernel)
         elif self.kernel == "onednn" and x.device.type == "cpu" and not x.requires_grad:
-            packed = self._keep(
-                "onednn", x.dtype, lambda: torch.ops.mkldnn._reorder_linear_weight(self.dense(x.dtype), None)
+            out = torch.ops.mkldnn._linear_pointwise(
+                flat.contiguous(), self.onednn_matrix(x.dtype), None, "none", [], ""
             )
-            out = torch.ops.mkldnn._linear_pointwise(flat.contiguous(), packed, None, "none", [], "")
         else:
             out = stationary_linear(flat, self.dense(x.dtype))
         return out.reshape(*x.shape[:-1], self.out_features)
@@ -171,6 +170,10 @@ class Int8Linear(nn.Module):
             # torch 2.13); a copy from PyTorch's allocator is 64-byte aligned
             self.qweight = self.qweight.clone()
         return self.qweight, self._keep("scale", kernel_input, lambda: self.scale.to(kernel_input))
+
+    def onednn_matrix(self, dtype: torch.dtype) -> torch.Tensor:
+        """:meth:`dense` prepacked for oneDNN (what several rows multiply by when that is the kernel), kept."""
+        return self._keep("onednn", dtype, lambda: torch.ops.mkldnn._reorder_linear_weight(self.dense(dtype), None))
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
         """:meth:`dequantize` in ``dtype``, made once and kept until the weights change."""
@@ -270,16 +273,15 @@ class ShortlistForCausalLM(LlamaPreTrainedModel, GenerationMixin):
 
     def int8_head(self) -> Int8Linear:
         """The shortlist head as an int8 layer (what an int8 draft multiplies by when it runs): made from the
-        embedding's shortlist rows on first use, and again only when they change."""
+        embedding's shortlist rows on first use, and again only when they change; it multiplies several rows
+        with the layers' kernel (:func:`mtad.models.kernels.use_linear_kernel`), whenever that was chosen."""
         weight = self.model.embed_tokens.weight[: self.config.shortlist_size]
         made_from = _stamp(weight)
         if self._int8_head is None or self._int8_head[0] != made_from:
-            head = Int8Linear.from_weight(weight)
-            head.kernel = next(
-                (m.kernel for m in self.model.layers.modules() if isinstance(m, Int8Linear)), head.kernel
-            )
-            self._int8_head = (made_from, head)
-        return self._int8_head[1]
+            self._int8_head = (made_from, Int8Linear.from_weight(weight))
+        head = self._int8_head[1]
+        head.kernel = next((m.kernel for m in self.model.layers.modules() if isinstance(m, Int8Linear)), head.kernel)
+        return head
 
     def forward(
         self,

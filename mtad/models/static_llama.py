@@ -427,10 +427,11 @@ Start = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, float]
 embedding's matrix, a shortlist embedding's row of each token id (None for a plain embedding), the rotary
 embedding's inverse frequencies and its attention scaling."""
 
-End = tuple[str, torch.Tensor, float, tuple[torch.Tensor, ...]]
+End = tuple[str, torch.Tensor, float, tuple[torch.Tensor, ...], int]
 """What turns a forward's last hidden states into its logits (:func:`end_of`): the head's form (``gemv``: the
-output matrix streamed by a reduction; ``int8``: a shortlist draft's int8 head through PyTorch's int8 kernel),
-the final norm's weight and epsilon, and the head's tensors."""
+output matrix streamed by a reduction; ``int8``: a shortlist draft's int8 head through PyTorch's int8 kernel;
+``packed``: a head prepacked for oneDNN), the final norm's weight and epsilon, the head's tensors and its
+output width."""
 
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 """Rotary embeddings whose inverse frequencies never change with the input (transformers' dynamic and long-RoPE
@@ -463,36 +464,48 @@ def embed(ids: torch.Tensor, positions: torch.Tensor, start: Start) -> tuple[tor
 
 def end_of(model: torch.nn.Module, layers: list[LayerWeights], rows: int, keep: int) -> End | None:
     """:data:`End` of ``model`` for a compiled forward that keeps ``keep`` positions of ``rows`` rows with
-    ``layers``' forms, or None where its head runs as the model's own module: the ``gemv`` form's output
-    matrix when the kept positions are few enough to reduce against it, and an int8 draft's shortlist head in
-    a one-row forward that enters PyTorch's int8 kernel (where its layers do, :func:`int8_layer_weights`)."""
+    ``layers``' forms, or None where its head runs as the model's own module: in the ``gemv`` form the output
+    matrix when the kept positions are few enough to reduce against it; in the ``int8`` form (one row) an int8
+    draft's shortlist head through the same kernel as its layers; in the ``packed`` form a head that oneDNN
+    multiplies by, prepacked (the target's output layer, an int8 draft's shortlist head over several rows)."""
     inner = model.model
     norm = (inner.norm.weight, float(inner.norm.variance_epsilon))
-    lm_head = getattr(model, "lm_head", None)
+    lm_head = head(model)
+    lm_head = lm_head if lm_head is getattr(model, "lm_head", None) and getattr(lm_head, "bias", 0) is None else None
+    int8_head = model.int8_head() if getattr(model.config, "int8_layers", False) else None
     form = layers[0][1]
-    if form == "gemv" and head(model) is lm_head and getattr(lm_head, "bias", 0) is None:
+    if form == "gemv" and lm_head is not None:
         if keep * lm_head.in_features * lm_head.weight.element_size() <= GEMV_INPUT_BYTES:
-            return "gemv", *norm, (lm_head.weight,)
-    int8_head = getattr(model, "int8_head", None)
+            return "gemv", *norm, (lm_head.weight,), lm_head.out_features
     if form == "int8" and rows == 1 and keep == 1 and int8_head is not None:
-        kernel = int8_head().kernel_tensors(norm[0].dtype)
+        kernel = int8_head.kernel_tensors(norm[0].dtype)
         if kernel is not None:
-            return "int8", *norm, kernel
+            return "int8", *norm, kernel, int8_head.out_features
+    if form == "packed" and lm_head is not None and callable(getattr(lm_head, "packed", None)):
+        return "packed", *norm, (lm_head.packed(),), lm_head.out_features
+    if form == "packed" and int8_head is not None and int8_head.kernel == "onednn":
+        return "packed", *norm, (int8_head.onednn_matrix(norm[0].dtype),), int8_head.out_features
     return None
 
 
 def logits_of(h: torch.Tensor, end: End) -> torch.Tensor:
     """The final norm and the head of :data:`End` over ``h`` [rows, keep, hidden]."""
-    form, norm, eps, tensors = end
+    form, norm, eps, tensors, width = end
     x = _rms_norm(h, norm, eps)
     if form == "gemv":  # the largest matrix a small model reads (SmolLM2's 49,152 x 576), streamed like the layers'
         return _gemv(x, tensors[0])
-    return int8_linear(x, *tensors, tensors[0].shape[0])
+    if form == "int8":
+        return int8_linear(x, *tensors, width)
+    return packed_linear(x, tensors[0], width)
 
 
 def _shares(tensor: torch.Tensor, *others: torch.Tensor) -> bool:
     """Whether ``tensor`` shares its storage with any of ``others`` (a head tied to the embedding)."""
-    return any(tensor.untyped_storage().data_ptr() == o.untyped_storage().data_ptr() for o in others)
+
+    def storage(t: torch.Tensor) -> int | None:
+        return t.untyped_storage().data_ptr() if t.layout == torch.strided and not t.is_mkldnn else None
+
+    return storage(tensor) in {storage(o) for o in others} - {None}
 
 
 def forward_part(
