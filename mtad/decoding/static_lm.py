@@ -340,15 +340,17 @@ def _check_out(lm: StaticLM, model: torch.nn.Module, param: torch.Tensor) -> tup
     return cache, graphs
 
 
-def warm_up(model: torch.nn.Module, vocab: int, tokens: int, rows: int = 1) -> float:
+def warm_up(model: torch.nn.Module, vocab: int, tokens: int, rows: int = 1, keep_all: bool = True) -> float:
     """Compile the forwards of ``rows`` rows and 1 … ``tokens`` new tokens (AR's step and every
-    verification up to γ = tokens − 1) before anyone waits on them; the seconds it took."""
+    verification up to γ = tokens − 1) before anyone waits on them; the seconds it took. They keep the logits
+    of every new token (a verification's), or with ``keep_all`` False of the last (a draft's step): the head
+    runs in the compiled graph, so each is a graph of its own."""
     t0 = time.perf_counter()
     lm = StaticLM(model, vocab)
     device = lm.cache.device
     lm.feed(torch.zeros((rows, 1), dtype=torch.long, device=device))  # a context: compiled shapes follow one
     for n in range(1, min(tokens, COMPILED_TOKENS) + 1):
-        lm.feed(torch.zeros((rows, n), dtype=torch.long, device=device), keep=n)
+        lm.feed(torch.zeros((rows, n), dtype=torch.long, device=device), keep=n if keep_all else 1)
         lm.rollback(1)
     return time.perf_counter() - t0
 
@@ -361,13 +363,14 @@ def compiles_draft(pair: ModelPair) -> bool:
 
 def warm_up_pair(pair: ModelPair, tokens: int) -> float:
     """Compile what decoding asks of a pair on the compiled engine before anyone waits: the target's and
-    the draft's forwards of 1 … ``tokens`` tokens in one row, and the draft's one token in several rows
+    the draft's forwards of 1 … ``tokens`` tokens in one row (the target's logits of all of them, the draft's
+    of the last, as decoding asks), and the draft's one token in several rows
     (beams, Spectr's drafts: one graph serves every count from two on); the seconds it took. A draft that
     is not a Llama stays eager and compiles nothing."""
     t0 = time.perf_counter()
     warm_up(pair.target, pair.vocab_size, tokens)
     if compiles_draft(pair):
-        warm_up(pair.draft, pair.vocab_size, tokens)
+        warm_up(pair.draft, pair.vocab_size, tokens, keep_all=False)
         warm_up(pair.draft, pair.vocab_size, 1, rows=2)
     if fused_enabled(pair):
         warm_up_bookkeeping(pair, tokens)
