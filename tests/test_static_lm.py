@@ -663,21 +663,24 @@ def test_a_compiled_forward_embeds_in_its_first_call_and_applies_its_head_in_its
     tiny_pair,
     micro_int8_pair,  # noqa: F811
 ) -> None:
-    """On the compiled engine the embedding, the rotary tables, the final norm and the head run inside the
-    layers' compiled calls (no call of their own): the tiny target in two calls of one layer (the ``gemv``
-    form's head in the second) gives the full recompute's fp32 logits, and an int8 draft's one-row bf16
-    forward multiplies its layers and its shortlist head with the int8 kernel in one call, with its eager
-    engine's logits; several tokens or rows multiply a oneDNN head, prepacked, in the graph too. A head tied to
-    the embedding, in the call that embeds, leaves the embedding eager."""
+    """On the compiled engine a model whose layers fit one compiled call runs its embedding, rotary tables,
+    final norm and head in it (no call of their own): the tiny target gives the full recompute's fp32 logits,
+    and an int8 draft's one-row bf16 forward multiplies its layers and its shortlist head with the int8 kernel
+    in one call, with its eager engine's logits; several tokens or rows multiply a oneDNN head, prepacked, in
+    the graph too. A model of several calls applies only the ``gemv`` form's head in its last, and a head tied
+    to the embedding, in the call that embeds, leaves the embedding eager."""
     gemv_up_to(monkeypatch, 1)
-    monkeypatch.setattr("mtad.models.static_llama.MOST_LAYERS_PER_CALL", 1)
     ids = tiny_pair.encode("abc def gh abba cafe")
-    lm = StaticLM(tiny_pair.target, tiny_pair.vocab_size)
-    lm.feed(torch.tensor([ids[:-3]]))
-    for i in range(len(ids) - 3, len(ids)):
-        logits, ran = embedded_and_headed(lm, [[ids[i]]])
-        torch.testing.assert_close(logits[0, -1], full_logits(tiny_pair.target, ids[: i + 1]), rtol=1e-4, atol=1e-4)
-        assert not EAGER_ENDS & set(ran), ran
+    for most, eager in ((6, set()), (1, {"aten::embedding", "aten::cos"})):  # one call of two layers, or two
+        monkeypatch.setattr("mtad.models.static_llama.MOST_LAYERS_PER_CALL", most)
+        lm = StaticLM(tiny_pair.target, tiny_pair.vocab_size)
+        lm.feed(torch.tensor([ids[:-3]]))
+        for i in range(len(ids) - 3, len(ids)):
+            logits, ran = embedded_and_headed(lm, [[ids[i]]])
+            expected = full_logits(tiny_pair.target, ids[: i + 1])
+            torch.testing.assert_close(logits[0, -1], expected, rtol=1e-4, atol=1e-4)
+            assert EAGER_ENDS & set(ran) == eager, ran
+    monkeypatch.setattr("mtad.models.static_llama.MOST_LAYERS_PER_CALL", 6)
     packed = copy.deepcopy(tiny_pair.target)
     use_linear_kernel(packed, "onednn")
     lm = StaticLM(packed, tiny_pair.vocab_size)

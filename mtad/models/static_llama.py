@@ -525,7 +525,8 @@ def forward_part(
     keep: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Some of a forward's decoder layers (:func:`decoder_layers`) in one call, and in the first call the
-    embedding and rotary tables, in the last the head, so that none of it is a call of its own: with ``start``,
+    embedding and rotary tables, in the last the head (:func:`llama_forward` says where), so that none of it
+    is a call of its own: with ``start``,
     ``x`` is token ids [rows, n] and ``cos`` their positions [n], None for ``slots`` (:func:`embed`); else ``x``
     is hidden states and ``cos``, ``sin`` the tables. Returns the hidden states, or with ``end`` the logits of
     the last ``keep`` positions (:func:`logits_of`), and the tables for the next call. SmolLM2's int8 draft took
@@ -589,15 +590,22 @@ def llama_forward(
     """Logits [rows, keep, V] of the last ``keep`` of ``ids`` [rows, n] at rotary ``positions`` [n], their
     keys and values written at cache ``slots`` [n]; ``mask`` [n, S] (True = attend) over the first S slots.
     ``layers``: :func:`layer_weights` of each layer. The decoder layers run in runs of :func:`layers_per_call`,
-    compiled or not; compiled, the first run also embeds the tokens and the last applies the head where
-    :func:`start_of` and :func:`end_of` allow, and elsewhere the model's own modules run them eagerly (a
-    shortlist draft's logits cover its shortlist only)."""
+    compiled or not. Compiled, a model whose layers fit one call (a draft) also embeds the tokens and applies
+    the head in it where :func:`start_of` and :func:`end_of` allow, and a model of several calls applies the
+    ``gemv`` form's head in its last; elsewhere the model's own modules run them eagerly (a shortlist draft's
+    logits cover its shortlist only)."""
     inner = model.model
     rows = ids.shape[0]
-    start = start_of(model) if compiled else None
-    end = end_of(model, layers, rows, keep) if compiled else None
     step = layers_per_call(len(layers))
-    if start is not None and end is not None and step == len(layers) and _shares(start[0], *end[3]):
+    one_call = step == len(layers)
+    # Each end in a call of its own graph: a model of several calls (SmolLM2's 30 layers) would compile three
+    # graphs a shape instead of one, which doubled the bench's warm-up (15 -> 31 s) for 0.1 ms a forward; there
+    # only the gemv form's head, which was a compiled call of its own anyway, joins the last call.
+    start = start_of(model) if compiled and one_call else None
+    end = end_of(model, layers, rows, keep) if compiled else None
+    if end is not None and not one_call and end[0] != "gemv":
+        end = None
+    if start is not None and end is not None and _shares(start[0], *end[3]):
         # a tied head in the call that embeds: dynamo guards arguments that alias each other, and working out
         # why such a guard failed raised IndexError at the next recompilation (torch 2.13), so it embeds eagerly
         start = None
