@@ -219,7 +219,7 @@ class ShortlistForCausalLM(LlamaPreTrainedModel, GenerationMixin):
         if config.int8_layers:
             _int8_linears(self.model.layers, quantize=False)
         self.vocab_size = config.vocab_size
-        self._int8_head: tuple[tuple, Int8Linear] | None = None  # see shortlist_logits
+        self._int8_head: tuple[tuple, Int8Linear, Int8Linear | None] | None = None  # see int8_head
         self.post_init()
 
     def quantize_layers(self) -> ShortlistForCausalLM:
@@ -278,9 +278,11 @@ class ShortlistForCausalLM(LlamaPreTrainedModel, GenerationMixin):
         weight = self.model.embed_tokens.weight[: self.config.shortlist_size]
         made_from = _stamp(weight)
         if self._int8_head is None or self._int8_head[0] != made_from:
-            self._int8_head = (made_from, Int8Linear.from_weight(weight))
-        head = self._int8_head[1]
-        head.kernel = next((m.kernel for m in self.model.layers.modules() if isinstance(m, Int8Linear)), head.kernel)
+            layer = next((m for m in self.model.layers.modules() if isinstance(m, Int8Linear)), None)
+            self._int8_head = (made_from, Int8Linear.from_weight(weight), layer)
+        _, head, layer = self._int8_head
+        if layer is not None:  # every forward reads this: one attribute, not a walk over the modules
+            head.kernel = layer.kernel
         return head
 
     def forward(

@@ -166,7 +166,12 @@ five-token forward 22.1 -> 20.9 ms with that product packed, a four-token one 17
 def _reducible(x: torch.Tensor) -> bool:
     """Whether ``x`` [..., tokens, width] is small enough for the ``gemv`` form's reductions
     (:data:`GEMV_INPUT_BYTES`)."""
-    return x.shape[-2] * x.shape[-1] * x.element_size() <= GEMV_INPUT_BYTES
+    return _fits(x.shape[-2], x.shape[-1], x.element_size())
+
+
+def _fits(tokens: int, width: int, element_size: int) -> bool:
+    """:func:`_reducible` from a shape, before the input exists."""
+    return tokens * width * element_size <= GEMV_INPUT_BYTES
 
 
 @functools.cache
@@ -475,7 +480,7 @@ def end_of(model: torch.nn.Module, layers: list[LayerWeights], rows: int, keep: 
     int8_head = model.int8_head() if getattr(model.config, "int8_layers", False) else None
     form = layers[0][1]
     if form == "gemv" and lm_head is not None:
-        if keep * lm_head.in_features * lm_head.weight.element_size() <= GEMV_INPUT_BYTES:
+        if _fits(keep, lm_head.in_features, lm_head.weight.element_size()):
             return "gemv", *norm, (lm_head.weight,), lm_head.out_features
     if form == "int8" and rows == 1 and keep == 1 and int8_head is not None:
         kernel = int8_head.kernel_tensors(norm[0].dtype)
@@ -526,9 +531,8 @@ def forward_part(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Some of a forward's decoder layers (:func:`decoder_layers`) in one call, and in the first call the
     embedding and rotary tables, in the last the head (:func:`llama_forward` says where), so that none of it
-    is a call of its own: with ``start``,
-    ``x`` is token ids [rows, n] and ``cos`` their positions [n], None for ``slots`` (:func:`embed`); else ``x``
-    is hidden states and ``cos``, ``sin`` the tables. Returns the hidden states, or with ``end`` the logits of
+    is a call of its own: with ``start``, ``x`` is token ids [rows, n] and ``cos`` their positions [n], None for
+    ``slots`` (:func:`embed`); else ``x`` is hidden states and ``cos``, ``sin`` the tables. Returns the hidden states, or with ``end`` the logits of
     the last ``keep`` positions (:func:`logits_of`), and the tables for the next call. SmolLM2's int8 draft took
     1.47 ms a one-row bf16 forward with these outside its compiled call, 1.08 ms with them in it (one thread)."""
     if start is not None:
@@ -602,9 +606,7 @@ def llama_forward(
     # graphs a shape instead of one, which doubled the bench's warm-up (15 -> 31 s) for 0.1 ms a forward; there
     # only the gemv form's head, which was a compiled call of its own anyway, joins the last call.
     start = start_of(model) if compiled and one_call else None
-    end = end_of(model, layers, rows, keep) if compiled else None
-    if end is not None and not one_call and end[0] != "gemv":
-        end = None
+    end = end_of(model, layers, rows, keep) if compiled and (one_call or layers[0][1] == "gemv") else None
     if start is not None and end is not None and _shares(start[0], *end[3]):
         # a tied head in the call that embeds: dynamo guards arguments that alias each other, and working out
         # why such a guard failed raised IndexError at the next recompilation (torch 2.13), so it embeds eagerly
