@@ -99,11 +99,17 @@ def _law(
     return torch.where(keep, x if log_mass is None else x - log_mass, float("-inf"))
 
 
+def reads_free(t: torch.Tensor) -> bool:
+    """Whether reading ``t`` on the host is free: on the CPU, outside a compiled graph. On a GPU a read waits
+    for the device, and in a compiled graph it cannot happen: there the callers take their device paths, so
+    the decoders' one read an iteration stays one."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
 def _none_on_cpu(t: torch.Tensor) -> bool:
-    """Whether ``t`` is all zero (False) where reading that is free: on the CPU. On a GPU the read would
-    wait for the device, and in a compiled graph it cannot happen, so there the answer is always False and
-    the caller takes its general path."""
-    return t.device.type == "cpu" and not torch.compiler.is_compiling() and not t.any()
+    """Whether ``t`` is all zero (False) where reading that is free (:func:`reads_free`); elsewhere always
+    False, and the caller takes its general path."""
+    return reads_free(t) and not t.any()
 
 
 def _fp32(t: torch.Tensor) -> torch.Tensor:

@@ -55,6 +55,33 @@ def test_a_shortlist_gets_the_bias_in_its_columns_and_none_off_it() -> None:
     assert torch.equal(bias_of([[1, 5, 1]], (1.0,), width=3, column_of=column_of), torch.zeros(1, 3))
 
 
+@pytest.mark.parametrize("weights", [(1.0, 2.0, 4.0), (0.1, 0.7, 0.3, 1.3), (0.0, 0.45)])
+def test_the_hosts_bias_is_the_devices_to_the_bit(weights: tuple[float, ...]) -> None:
+    """host_bias on one row: the same columns and values as context_bias, whatever the length, repeats and
+    shortlist (awkward weights, so any other order of summing them would show)."""
+    from mtad.decoding.context_bias import host_bias
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.tensor(weights)
+    values = [
+        ((torch.arange(o)[None] < torch.arange(1, o + 1)[:, None]).float() @ w[:o]).tolist()
+        for o in range(1, len(weights) + 1)
+    ]
+    column_of = torch.tensor([5, 0, 1, 5, 2, 3, 5, 4, 5, 5])  # six columns; 5: off the shortlist
+    raised = 0
+    for trial in range(300):
+        length = int(torch.randint(1, 40, (1,), generator=g))
+        row = torch.randint(0, 1 + trial % 9, (1, length), generator=g)  # few distinct tokens: many repeats
+        for cols, width in ((None, 10), (column_of, 5)):
+            want = context_bias(row, length, w, cols, width)[0]
+            found = host_bias(row[0].tolist(), length, values, None if cols is None else cols.tolist(), width)
+            got = torch.zeros(width)
+            got[list(found)] = torch.tensor(list(found.values()))
+            assert torch.equal(got, want), (row.tolist(), cols is None)
+            raised += bool(want.any())
+    assert raised > 100
+
+
 def test_weights_come_from_the_operator_then_the_draft(monkeypatch: pytest.MonkeyPatch) -> None:
     draft = torch.nn.Module()
     draft.config = type("Config", (), {"mtad_context_bias": [0.0, 2.0, 4.0]})()
@@ -122,6 +149,8 @@ def test_token_rows_follow_every_cache_operation(kind: str) -> None:
     def check() -> None:
         held = cache.tokens.ids[:, :length].tolist()
         assert held == [r[:length] for r in want.rows]
+        if len(want.rows) == 1:  # the host's copy, kept up or read anew, holds the same
+            assert cache.tokens.host_row()[:length] == want.rows[0][:length]
 
     feed([[1, 2, 3]])
     check()
@@ -179,7 +208,10 @@ def test_the_draft_reads_its_rows_own_text_through_decoding(
             fresh = pair.draft(input_ids=ids, use_cache=True).past_key_values.layers[0].keys
             torch.testing.assert_close(lm.cache.past_key_values.layers[0].keys, fresh, atol=1e-5, rtol=1e-5)
             assert ids[:, :committed].tolist() == [st.ids[:committed]] * ids.shape[0]
-            forwards.append(bool(st.context(lm).any()))
+            bias = st.context(lm)
+            forwards.append(bool(bias.any()))
+            base = torch.randn(bias.shape)  # the bias worked out on the host (one row) adds the device's bits
+            assert torch.equal(st.context.add(base, lm), base + bias)
         return out
 
     monkeypatch.setattr(st, "run_next", checked)

@@ -40,9 +40,10 @@ class _ScalarReads(TorchDispatchMode):
 @contextmanager
 def host_reads(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
     """A Counter of host reads inside the block (by kind), with the warps' CPU-only reads off as on a GPU
-    (``mtad.sampling._none_on_cpu``: a read that is free on the CPU skips a rare branch there)."""
+    (``mtad.sampling.reads_free``: a read that is free on the CPU skips a rare branch there, or works out
+    the draft's context bias on the host)."""
     counts: Counter = Counter()
-    monkeypatch.setattr("mtad.sampling._none_on_cpu", lambda t: False)
+    monkeypatch.setattr("mtad.sampling.reads_free", lambda t: False)
     for name in ("tolist", "cpu", "numpy"):
         real = getattr(torch.Tensor, name)
 

@@ -254,7 +254,7 @@ class DecodeState:
         logits = lm.feed(tokens, keep=1, columns=True)[:, -1]
         self.spans[phase].append((t0, self.timer.mark()))
         if self.context is not None and lm is self.draft:  # the bias is the draft's law, so q includes it
-            logits = logits + self.context(lm)
+            logits = self.context.add(logits, lm)
         return logits
 
     def tokens_of(self, lm: CachedLM, index: torch.Tensor) -> torch.Tensor:
