@@ -265,11 +265,18 @@ def _top_p_on_list(
     top, top_p = vals[..., :1], settings.top_p
     weights = vals.sub(top).exp_()
     tie_weight = weights[..., -1:]
-    total = weights.sum(dim=-1, keepdim=True).add_(left_out * tie_weight)
+    # no row has ties beyond the list (most often; free to know on the CPU only): the ties' terms below are
+    # zeros, left out with the same bits, and the rows keep none of them
+    ties = not _none_on_cpu(left_out)
+    total = weights.sum(dim=-1, keepdim=True)
+    if ties:
+        total.add_(left_out * tie_weight)
     if not settings.nucleus:
         return None, left_out, total.log_().add_(top)
     probs = weights / total
     keep_top = probs.cumsum(dim=-1).sub_(probs) < top_p
+    if not ties:
+        return keep_top, left_out, (weights * keep_top).sum(dim=-1, keepdim=True).log_().add_(top)
     kept_ties = probs.sum(dim=-1, keepdim=True).neg_().add_(top_p).div_(probs[..., -1:]).ceil_()
     # never more than there are, whatever the rounding
     kept_ties = torch.minimum(kept_ties.nan_to_num_(nan=0.0).clamp_min_(0), left_out)
