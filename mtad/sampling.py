@@ -106,6 +106,54 @@ def reads_free(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
+def _listed(top: TopList, at: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The law of rows ``at`` (all: None) on their top-k lists alone, in token order: log p [rows, k] (-inf
+    where top-p drops a token) and the tokens [rows, k]; None unless no row keeps a tie the list left out,
+    which only the CPU knows for free (:func:`_none_on_cpu`; elsewhere the callers draw from whole rows).
+    Every token off the list has p = 0 then, so a draw over the list in token order is the draw over the
+    whole row in its order: the same token at the same uniform, to rounding, without passes over the row."""
+    if not _none_on_cpu(top.kept_ties):
+        return None
+    pick_row = (lambda t: t) if at is None else (lambda t: t.index_select(0, at))  # noqa: E731
+    lp = pick_row(top.vals) - pick_row(top.log_mass)
+    if top.keep_top is not None:
+        lp = lp.where(pick_row(top.keep_top), float("-inf"))
+    idx, order = pick_row(top.idx).sort(dim=-1)
+    return lp.gather(-1, order), idx
+
+
+def _draw_listed(lp: torch.Tensor, idx: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token a row of a listed law (:func:`_listed`) drawn at uniforms ``u`` [rows, 1]: [rows]."""
+    return idx.gather(-1, sample_at(probs(lp), u)[:, None])[:, 0]
+
+
+def law_and_draw(
+    logits: torch.Tensor, settings: Settings | Law, u: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`log_probs` over [rows, C] ``logits`` and a column a row drawn from it at uniforms ``u`` [rows, 1]
+    (None when greedy: argmax), as :func:`pick_at` draws it; from the top-k lists where the law lives on
+    them (:func:`_listed`)."""
+    logits = _fp32(logits)
+    top = None if settings.is_greedy else _top_list(logits, settings)
+    if top is None:
+        lp = log_probs(logits, settings)
+        return lp, pick_at(lp, settings, u)
+    lp = _law(top.x, top.vals, top.idx, top.keep_top, top.kept_ties, top.log_mass)
+    listed = _listed(top)
+    return lp, pick_at(lp, settings, u) if listed is None else _draw_listed(*listed, u)
+
+
+def draw_token(logits: torch.Tensor, settings: Settings | Law, u: torch.Tensor | None) -> torch.Tensor:
+    """A column a row of [rows, C] ``logits`` drawn from the run's law at uniforms ``u`` [rows, 1] (None when
+    greedy: argmax), without the whole rows' law where it lives on the top-k lists (:func:`_listed`)."""
+    logits = _fp32(logits)
+    top = None if settings.is_greedy else _top_list(logits, settings)
+    listed = None if top is None else _listed(top)
+    if listed is None:
+        return pick_at(log_probs(logits, settings), settings, u)
+    return _draw_listed(*listed, u)
+
+
 def _none_on_cpu(t: torch.Tensor) -> bool:
     """Whether ``t`` is all zero (False) where reading that is free (:func:`reads_free`); elsewhere always
     False, and the caller takes its general path."""
@@ -224,6 +272,25 @@ class RowLaws:
                 rank = upto - (top.idx[:g] <= col).sum(dim=-1, keepdim=True, dtype=torch.int32)
                 kept = kept | (tie & (rank <= top.kept_ties[:g]))
         return torch.where(kept, logit - top.log_mass[:g], float("-inf"))[:, 0]
+
+    def probs_at(self, i: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Row ``i``'s probabilities (a 1-element tensor: no host read): on its top-k list in token order,
+        with those tokens, where the law lives there (:func:`_listed`: [k], [1, k]); else over the whole
+        row, and None."""
+        listed = None if self.top is None else _listed(self.top, at=i)
+        if listed is None:
+            return probs(self.row(i)), None
+        lp, tokens = listed
+        return probs(lp)[0], tokens
+
+    def pick(self, i: torch.Tensor, settings: Settings | Law, u: torch.Tensor | None) -> torch.Tensor:
+        """A token of row ``i`` drawn at uniform ``u`` [1] as :func:`pick_at` draws it (argmax when greedy),
+        from the row's list where its law lives there: 0-d."""
+        if settings.is_greedy:
+            return pick_at(self.row(i), settings, u)
+        p, tokens = self.probs_at(i)
+        drawn = sample_at(p, u)
+        return drawn if tokens is None else tokens[0].take(drawn)
 
     def row(self, i: torch.Tensor) -> torch.Tensor:
         """The whole law, log p [V], of row ``i`` (a 1-element tensor: no host read)."""

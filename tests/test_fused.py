@@ -24,7 +24,7 @@ from mtad.decoding.speculative import sd_judge
 from mtad.decoding.state import DecodeState
 from mtad.decoding.static_lm import warm_up_pair
 from mtad.models.pair import ModelPair
-from mtad.sampling import Law, log_probs
+from mtad.sampling import Law, RowLaws, log_probs
 from mtad.settings import Settings
 
 SAMPLING = Settings(method="mtad", temperature=0.9, top_k=20, top_p=0.9)
@@ -199,3 +199,27 @@ def test_the_compiled_engine_s_warm_up_compiles_the_bookkeeping(
     with torch._dynamo.config.patch(error_on_recompile=True):
         for method in ("ar", "sd", "mtad"):
             assert list(decode(pair, pair.encode("abc abc"), Settings(method=method, max_new_tokens=20)))
+
+
+def test_sd_s_rule_draws_from_the_lists_what_it_draws_from_whole_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU SD's residual is drawn over the target's top-k list where p lives there: the same verdicts
+    and tokens as over the whole rows (a GPU's path), rejections and bonus tokens alike."""
+    law, g = law_of(SAMPLING), 4
+    gen = torch.Generator().manual_seed(21)
+    listed = rejected = 0
+    for trial in range(120):
+        x = logits_with_ties(g + 1, seed=100 + trial)
+        log_q = log_probs(x[:g] + torch.randn(g, VOCAB, generator=gen), law)
+        draft = log_q.argmax(-1) if trial % 2 else x[:g].argmax(-1)
+        tests, u = torch.rand(g, generator=gen), torch.rand(1, generator=gen)
+        if trial % 3 == 0:  # every draft kept, and q at row g - 1 near p at row g: the bonus token is p's
+            tests, draft = torch.zeros(g), x[:g].argmax(-1)
+            log_q = log_probs(x[1:] + 0.1 * torch.randn(g, VOCAB, generator=gen), law)
+        fast = sd_judge(x, draft, log_q, law, tests, u)
+        with monkeypatch.context() as m:
+            m.setattr("mtad.sampling._none_on_cpu", lambda t: False)
+            whole = sd_judge(x, draft, log_q, law, tests, u)
+        same(whole, fast)
+        listed += bool(RowLaws(x, law).probs_at(fast[2].view(1))[1] is not None)
+        rejected += int(fast[2]) < g
+    assert listed > 60 and 20 < rejected < 100

@@ -4,7 +4,20 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from mtad.sampling import RowLaws, log_probs, make_generator, pick, probs, sample, top_log_probs, warp, warper
+from mtad.sampling import (
+    RowLaws,
+    draw_token,
+    law_and_draw,
+    log_probs,
+    make_generator,
+    pick,
+    pick_at,
+    probs,
+    sample,
+    top_log_probs,
+    warp,
+    warper,
+)
 from mtad.settings import Settings
 
 
@@ -274,3 +287,46 @@ def test_the_cpu_shortcut_and_the_general_path_give_the_same_bits(
         for i, row in enumerate(general_rows):
             assert torch.equal(fast[2].row(torch.tensor([i])), row)
     assert shortcut_taken >= 1
+
+
+@pytest.mark.parametrize(("top_k", "top_p", "temperature"), [(20, 0.9, 1.0), (20, 1.0, 0.8), (5, 0.5, 1.0)])
+def test_draws_from_the_top_list_are_the_whole_rows_draws(
+    top_k: int, top_p: float, temperature: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the CPU a law that lives on its top-k list is drawn from the list, in token order: the same token
+    as the draw over the whole row at every uniform (a GPU's path), for rows with bf16 ties and without."""
+    s = Settings(top_k=top_k, top_p=top_p, temperature=temperature)
+    g = torch.Generator().manual_seed(11)
+    listed_rows = 0
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = (torch.randn(64, 3000, generator=g) * 3).to(dtype).float()
+        u = torch.rand(64, 1, generator=g)
+        fast = law_and_draw(logits, s, u), draw_token(logits, s, u), RowLaws(logits, s)
+        fast_picks = [fast[2].pick(torch.tensor([i]), s, u[i]) for i in range(64)]
+        listed_rows += sum(fast[2].probs_at(torch.tensor([i]))[1] is not None for i in range(64))
+        with monkeypatch.context() as m:
+            m.setattr("mtad.sampling._none_on_cpu", lambda t: False)
+            lp = log_probs(logits, s)
+            want = pick_at(lp, s, u)
+            laws = RowLaws(logits, s)
+            assert all(laws.probs_at(torch.tensor([i]))[1] is None for i in range(3))
+            general_picks = [laws.pick(torch.tensor([i]), s, u[i]) for i in range(64)]
+        assert torch.isfinite(lp.gather(1, want[:, None])).all()
+        assert torch.equal(fast[0][0], lp) and torch.equal(fast[0][1], want) and torch.equal(fast[1], want)
+        assert torch.equal(torch.stack(fast_picks), torch.stack(general_picks))
+        assert torch.equal(torch.stack(fast_picks), want)
+    assert listed_rows > 0
+
+
+def test_listed_draws_draw_the_law() -> None:
+    """Draws from the top list follow the warped law (chi-square over many draws of one row)."""
+    s = Settings(top_k=5, top_p=0.8)
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -1.0, 3.0, -2.0]])
+    p = log_probs(logits, s).exp()[0]
+    u = torch.rand(20000, 1, generator=torch.Generator().manual_seed(2))
+    drawn = draw_token(logits.expand(20000, -1), s, u)
+    counts = torch.bincount(drawn, minlength=8).double()
+    kept = p > 0
+    assert counts[~kept].sum() == 0
+    expected = p[kept].double() / p[kept].double().sum() * 20000
+    assert chisquare(counts[kept].numpy(), expected.numpy()).pvalue > 1e-3

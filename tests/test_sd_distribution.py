@@ -133,10 +133,10 @@ def test_bonus_from_the_wrong_position_is_caught(bonus_setup: tuple, monkeypatch
     pair, ids, law = bonus_setup
     rule = speculative.sd_judge.eager  # SD's rule as written (compiled only on a GPU)
     source = inspect.getsource(rule)
-    target_row = "probs(laws.row(row))"
+    target_row = "laws.probs_at(row)"
     assert source.count(target_row) == 1, "sd_judge no longer takes p at row n: update this control"
     scope = dict(vars(speculative))
-    wrong_row = "probs(laws.row(row - (n == g).long()))"  # row g - 1 where the bonus is drawn
+    wrong_row = "laws.probs_at(row - (n == g).long())"  # row g - 1 where the bonus is drawn
     exec(compile(source.replace(target_row, wrong_row), speculative.__file__, "exec"), scope)
     # swap the code in place, so every reference to the rule (SD's iteration, so the registry too) runs the bug
     monkeypatch.setattr(rule, "__code__", scope["sd_judge"].eager.__code__)

@@ -24,7 +24,7 @@ import torch
 from mtad.decoding.fused import fused
 from mtad.decoding.state import DecodeState, to_host
 from mtad.events import Step
-from mtad.sampling import Law, log_probs, pick, pick_at
+from mtad.sampling import Law, draw_token, law_and_draw, pick
 
 P = TypeVar("P")  # a drafter's proposal
 S = TypeVar("S")  # a verifier's scores
@@ -188,7 +188,7 @@ def verify_context(st: DecodeState, proposal: None) -> torch.Tensor:
 
 def target_token(st: DecodeState, proposal: None, logits: torch.Tensor) -> Verdict:
     """The target's own token: argmax or a draw from its warped law, its unwarped log p for perplexity."""
-    _, tok = draw(logits, st.law, st.uniforms(), fuse=st.fused)
+    tok = draw_one(logits, st.law, st.uniforms(), fuse=st.fused)
     lp = torch.log_softmax(logits, dim=-1).gather(0, tok.view(1))  # no host read of ``tok``
     return Verdict(draft=None, joint_p=None, joint_q=None, accepted=0, extra=tok, kept_logprobs=lp)
 
@@ -198,8 +198,16 @@ def draw(logits: torch.Tensor, law: Law, u: torch.Tensor | None) -> tuple[torch.
     """The run's law over ``logits`` [..., C] and one column a row drawn from it at uniforms ``u`` [..., 1]
     (:func:`~mtad.sampling.uniforms`; None when greedy: argmax). Compiled into a few kernels on a GPU
     (:mod:`mtad.decoding.fused`)."""
-    lp = log_probs(logits, law)
-    return lp, pick_at(lp, law, u)
+    flat = logits.reshape(-1, logits.shape[-1])
+    lp, col = law_and_draw(flat, law, None if u is None else u.reshape(-1, 1))
+    return lp.view(logits.shape), col.view(logits.shape[:-1])
+
+
+@fused
+def draw_one(logits: torch.Tensor, law: Law, u: torch.Tensor | None) -> torch.Tensor:
+    """One token of [V] ``logits`` drawn from the run's law at uniform ``u`` [1] (None when greedy: argmax),
+    0-d: the target's own token, which needs no law over the whole row. Compiled on a GPU, as :func:`draw`."""
+    return draw_token(logits.view(1, -1), law, None if u is None else u.view(1, 1))[0]
 
 
 TARGET = Iteration(propose_nothing, verify_context, target_token, room=lambda st: 1)

@@ -11,7 +11,7 @@ from mtad.decoding.rules import longest_passing
 from mtad.decoding.spec import MethodSpec
 from mtad.decoding.state import DecodeState, kept_logprobs
 from mtad.events import Step
-from mtad.sampling import Law, RowLaws, pick_at
+from mtad.sampling import Law, RowLaws
 from mtad.settings import PARAMS
 
 
@@ -47,7 +47,7 @@ def judge(
     laws = RowLaws(logits, law)
     joint_p, joint_q = laws.of(draft).cumsum(0), lq_x.cumsum(0)
     eta = longest_passing(joint_p, joint_q, threshold)
-    extra = pick_at(laws.row(eta.view(1)), law, u)
+    extra = laws.pick(eta.view(1), law, u)
     return joint_p, joint_q, eta, extra, kept_logprobs(logits, draft, eta, extra)
 
 

@@ -53,10 +53,13 @@ def sd_judge(
         n = sd_accept_length_t(lp_x.exp(), lq_x.exp(), tests)
         row = n.view(1)  # index_select, not [0-d tensor] indexing, which reads the index on the host
         # only row n's laws: the target's p there, and q there after a rejection (none after g accepted)
-        p = probs(laws.row(row))
-        q = probs(log_q.index_select(0, row.clamp(max=g - 1)))[0] * (n < g)
+        p, tokens = laws.probs_at(row)  # where p lives on its top-k list, so does the residual: q is read there
+        q_row = log_q.index_select(0, row.clamp(max=g - 1))
+        q = (probs(q_row)[0] if tokens is None else q_row.gather(1, tokens)[0].exp()) * (n < g)
         table = residual(p, q)  # after g accepted drafts, p itself: the bonus token
         extra = sample_at(torch.where(table.sum() > 0, table, p), u)
+        if tokens is not None:
+            extra = tokens[0].take(extra)
     return lp_x, lq_x, n, extra, kept_logprobs(logits, draft, n, extra)
 
 
