@@ -380,17 +380,22 @@ def test_the_train_stage_ends_before_its_deadline_with_the_best_draft_and_its_fi
     if held_out == "target":
         loaded, own = onpolicy.load_target(target_dir, onpolicy.CPU, tokenizer=path)  # as the run loads them
         assert asked == onpolicy.target_prompts(loaded, own, 6, onpolicy.HELDOUT_SEED, onpolicy.eval_prompts())
-    start = onpolicy.evaluate(onpolicy.load_draft(path), heldout[:4])  # the last 2 only confirm
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the run evaluated (--threads 1): products split over two threads round apart
+    try:
+        start = onpolicy.evaluate(onpolicy.load_draft(path), heldout[:4])  # the last 2 only confirm
+        confirmed = onpolicy.evaluate(onpolicy.load_draft(out), heldout[4:])
+        there = onpolicy.evaluate(onpolicy.load_draft(path), heldout[4:], by_reply=True)
+        mine = onpolicy.evaluate(onpolicy.load_draft(out), heldout[4:], by_reply=True)
+    finally:
+        torch.set_num_threads(threads)
     assert figures["start"]["accept"] == pytest.approx(start["accept"], abs=1e-6)
     assert figures["best"]["accept"] >= figures["start"]["accept"]
-    confirmed = onpolicy.evaluate(onpolicy.load_draft(out), heldout[4:])
     assert figures["confirm"]["best"]["accept"] == pytest.approx(confirmed["accept"], abs=1e-6)
-    there = onpolicy.evaluate(onpolicy.load_draft(path), heldout[4:], by_reply=True)
     assert figures["confirm"]["committed"]["positions_by_reply"] == there["positions_by_reply"]
     for key in ("accept", "agree", "kl", "accept_by_reply"):
         assert figures["confirm"]["committed"][key] == pytest.approx(there[key])
     if "gain" in figures["confirm"]["best"]:  # a best after the start: its gain there, paired by reply
-        mine = onpolicy.evaluate(onpolicy.load_draft(out), heldout[4:], by_reply=True)
         gain, se = onpolicy.paired_gain(mine, there)
         assert (figures["confirm"]["best"]["gain"], figures["confirm"]["best"]["gain_se"]) == pytest.approx((gain, se))
     assert figures["improved"] == onpolicy.improved(figures)
