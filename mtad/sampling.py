@@ -127,6 +127,14 @@ def _draw_listed(lp: torch.Tensor, idx: torch.Tensor, u: torch.Tensor) -> torch.
     return idx.gather(-1, sample_at(probs(lp), u)[:, None])[:, 0]
 
 
+def _law_of(logits: torch.Tensor, settings: Settings | Law, top: TopList | None) -> torch.Tensor:
+    """:func:`log_probs` of [rows, C] ``logits`` from their top list ``top`` already made (None: greedy, or
+    top-k off, where :func:`log_probs` needs none)."""
+    if top is None:
+        return log_probs(logits, settings)
+    return _law(top.x, top.vals, top.idx, top.keep_top, top.kept_ties, top.log_mass)
+
+
 def law_and_draw(
     logits: torch.Tensor, settings: Settings | Law, u: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,11 +143,8 @@ def law_and_draw(
     them (:func:`_listed`)."""
     logits = _fp32(logits)
     top = None if settings.is_greedy else _top_list(logits, settings)
-    if top is None:
-        lp = log_probs(logits, settings)
-        return lp, pick_at(lp, settings, u)
-    lp = _law(top.x, top.vals, top.idx, top.keep_top, top.kept_ties, top.log_mass)
-    listed = _listed(top)
+    lp = _law_of(logits, settings, top)
+    listed = None if top is None else _listed(top)
     return lp, pick_at(lp, settings, u) if listed is None else _draw_listed(*listed, u)
 
 
@@ -150,7 +155,7 @@ def draw_token(logits: torch.Tensor, settings: Settings | Law, u: torch.Tensor |
     top = None if settings.is_greedy else _top_list(logits, settings)
     listed = None if top is None else _listed(top)
     if listed is None:
-        return pick_at(log_probs(logits, settings), settings, u)
+        return pick_at(_law_of(logits, settings, top), settings, u)
     return _draw_listed(*listed, u)
 
 
