@@ -59,14 +59,11 @@ def test_a_shortlist_gets_the_bias_in_its_columns_and_none_off_it() -> None:
 def test_the_hosts_bias_is_the_devices_to_the_bit(weights: tuple[float, ...]) -> None:
     """host_bias on one row: the same columns and values as context_bias, whatever the length, repeats and
     shortlist (awkward weights, so any other order of summing them would show)."""
-    from mtad.decoding.context_bias import host_bias
+    from mtad.decoding.context_bias import host_bias, summed_weights
 
     g = torch.Generator().manual_seed(0)
     w = torch.tensor(weights)
-    values = [
-        ((torch.arange(o)[None] < torch.arange(1, o + 1)[:, None]).float() @ w[:o]).tolist()
-        for o in range(1, len(weights) + 1)
-    ]
+    values = summed_weights(w)
     column_of = torch.tensor([5, 0, 1, 5, 2, 3, 5, 4, 5, 5])  # six columns; 5: off the shortlist
     raised = 0
     for trial in range(300):

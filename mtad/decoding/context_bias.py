@@ -149,12 +149,21 @@ def context_bias(
     return bias.scatter_reduce_(1, cols.clamp_max(columns), value, "amax")[:, :columns]
 
 
+def summed_weights(weights: torch.Tensor) -> list[list[float]]:
+    """[o - 1][n - 1]: the bias of a position that matches n of o orders, the first n of ``weights`` (1-D, on
+    the CPU) summed as :func:`context_bias` sums them (its product), so :func:`host_bias` gives its bits."""
+    return [
+        ((torch.arange(o)[None] < torch.arange(1, o + 1)[:, None]).float() @ weights[:o]).tolist()
+        for o in range(1, weights.shape[0] + 1)
+    ]
+
+
 def host_bias(
     ids: list[int], length: int, values: Sequence[Sequence[float]], column_of: list[int] | None, columns: int
 ) -> dict[int, float]:
     """:func:`context_bias` of one row ``ids[:length]`` on the host, as {column: bias} for the columns it
     raises. ``values[o - 1][n - 1]``: the bias of a position that matches the row's last ``n`` tokens when
-    ``o`` orders are looked at (:attr:`ContextBias.host_values`: the device form's arithmetic, so the same bits).
+    ``o`` orders are looked at (:func:`summed_weights`: the device form's arithmetic, so the same bits).
     A few dozen Python operations where the device form runs a dozen tensor operations over the row: on the
     CPU, where each of those costs its dispatch, 18 µs instead of 61 a draft step at 300 tokens of context."""
     orders = min(len(values), length - 1)
@@ -189,11 +198,7 @@ class ContextBias:
             self.column_of = torch.full((lm.vocab,), self.width, dtype=torch.long, device=device)
             self.column_of[columns] = torch.arange(self.width, device=device)
         self.weight_tensor = torch.tensor(self.weights, dtype=torch.float32, device=device)
-        # [o - 1][n - 1]: the bias of a position matching n of o orders, summed as context_bias sums it
-        self.host_values = [
-            ((torch.arange(o)[None] < torch.arange(1, o + 1)[:, None]).float() @ self.weight_tensor.cpu()[:o]).tolist()
-            for o in range(1, len(self.weights) + 1)
-        ]
+        self.host_values = summed_weights(self.weight_tensor.cpu())
         self.host_column_of = None if self.column_of is None else self.column_of.tolist()
         lm.cache.tokens = TokenRows(device)
 
