@@ -137,15 +137,18 @@ def _law_of(logits: torch.Tensor, settings: Settings | Law, top: TopList | None)
 
 def law_and_draw(
     logits: torch.Tensor, settings: Settings | Law, u: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`log_probs` over [rows, C] ``logits`` and a column a row drawn from it at uniforms ``u`` [rows, 1]
-    (None when greedy: argmax), as :func:`pick_at` draws it; from the top-k lists where the law lives on
-    them (:func:`_listed`)."""
+) -> tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The run's law over [rows, C] ``logits`` and a column a row drawn from it at uniforms ``u`` [rows, 1]
+    (None when greedy: argmax), as :func:`pick_at` draws it. The law is kept as the draw made it: on the
+    top-k lists where it lives there (:func:`_listed`: log p and columns [rows, k], in token order), without
+    writing whole rows; else :func:`log_probs` over whole rows [rows, C]."""
     logits = _fp32(logits)
     top = None if settings.is_greedy else _top_list(logits, settings)
-    lp = _law_of(logits, settings, top)
     listed = None if top is None else _listed(top)
-    return lp, pick_at(lp, settings, u) if listed is None else _draw_listed(*listed, u)
+    if listed is None:
+        lp = _law_of(logits, settings, top)
+        return lp, pick_at(lp, settings, u)
+    return listed, _draw_listed(*listed, u)
 
 
 def draw_token(logits: torch.Tensor, settings: Settings | Law, u: torch.Tensor | None) -> torch.Tensor:

@@ -17,6 +17,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from mtad.bench.report import environment
 from mtad.decoding import DECODERS, decode, fused
 from mtad.decoding.beams import beam_step
+from mtad.decoding.draft_laws import DraftLaws
 from mtad.decoding.iteration import draw
 from mtad.decoding.mtad import judge
 from mtad.decoding.rules import log_tau
@@ -24,7 +25,7 @@ from mtad.decoding.speculative import sd_judge
 from mtad.decoding.state import DecodeState
 from mtad.decoding.static_lm import warm_up_pair
 from mtad.models.pair import ModelPair
-from mtad.sampling import Law, RowLaws, log_probs
+from mtad.sampling import Law, RowLaws, law_and_draw, log_probs
 from mtad.settings import Settings
 
 SAMPLING = Settings(method="mtad", temperature=0.9, top_k=20, top_p=0.9)
@@ -128,14 +129,21 @@ def test_sd_s_rule_compiled_equals_the_rule_as_written(settings: Settings) -> No
     draft = log_q.argmax(-1)
     gen = torch.Generator().manual_seed(5)
     tests, u = (None, None) if settings.is_greedy else (torch.rand(g, generator=gen), torch.rand(1, generator=gen))
-    same(sd_judge(x, draft, log_q, law, tests, u, fuse=False), sd_judge(x, draft, log_q, law, tests, u, fuse=True))
+    q = DraftLaws(log_q, None, None, VOCAB)
+    same(sd_judge(x, draft, q, law, tests, u, fuse=False), sd_judge(x, draft, q, law, tests, u, fuse=True))
 
 
 @pytest.mark.parametrize("shape", [(VOCAB,), (3, VOCAB)])
 def test_a_draw_compiled_equals_the_draw_as_written(shape: tuple) -> None:
     x = logits_with_ties(math.prod(shape) // VOCAB, seed=30).view(shape)
     u = torch.rand((*shape[:-1], 1), generator=torch.Generator().manual_seed(6))
-    same(draw(x, law_of(SAMPLING), u, fuse=False), draw(x, law_of(SAMPLING), u, fuse=True))
+    (eager, col), (compiled, compiled_col) = (
+        draw(x, law_of(SAMPLING), u, fuse=False),
+        draw(x, law_of(SAMPLING), u, fuse=True),
+    )
+    if isinstance(eager, tuple):  # on the CPU, the lists its law lives on
+        eager = DraftLaws(None, *eager, VOCAB).full().view(shape)
+    same((eager, col), (compiled, compiled_col))
 
 
 def test_new_settings_are_inputs_to_the_same_graphs() -> None:
@@ -202,24 +210,55 @@ def test_the_compiled_engine_s_warm_up_compiles_the_bookkeeping(
 
 
 def test_sd_s_rule_draws_from_the_lists_what_it_draws_from_whole_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On the CPU SD's residual is drawn over the target's top-k list where p lives there: the same verdicts
-    and tokens as over the whole rows (a GPU's path), rejections and bonus tokens alike."""
+    """On the CPU SD's residual is drawn over the target's top-k list where p lives there, with q read from the
+    draft's own lists: the same verdicts and tokens as over the whole rows (a GPU's path), rejections and bonus
+    tokens alike."""
     law, g = law_of(SAMPLING), 4
     gen = torch.Generator().manual_seed(21)
-    listed = rejected = 0
+    listed = rejected = q_listed = 0
     for trial in range(120):
         x = logits_with_ties(g + 1, seed=100 + trial)
-        log_q = log_probs(x[:g] + torch.randn(g, VOCAB, generator=gen), law)
-        draft = log_q.argmax(-1) if trial % 2 else x[:g].argmax(-1)
-        tests, u = torch.rand(g, generator=gen), torch.rand(1, generator=gen)
+        y = x[:g] + torch.randn(g, VOCAB, generator=gen)
         if trial % 3 == 0:  # every draft kept, and q at row g - 1 near p at row g: the bonus token is p's
+            y = x[1:] + 0.1 * torch.randn(g, VOCAB, generator=gen)
+        lq, drawn = law_and_draw(y, law, torch.rand(g, 1, generator=gen))
+        q = DraftLaws(None, lq[0], lq[1], VOCAB) if isinstance(lq, tuple) else DraftLaws(lq, None, None, VOCAB)
+        q_listed += q.listed
+        draft = drawn if trial % 2 else x[:g].argmax(-1)
+        tests, u = torch.rand(g, generator=gen), torch.rand(1, generator=gen)
+        if trial % 3 == 0:
             tests, draft = torch.zeros(g), x[:g].argmax(-1)
-            log_q = log_probs(x[1:] + 0.1 * torch.randn(g, VOCAB, generator=gen), law)
-        fast = sd_judge(x, draft, log_q, law, tests, u)
+        fast = sd_judge(x, draft, q, law, tests, u)
         with monkeypatch.context() as m:
             m.setattr("mtad.sampling._none_on_cpu", lambda t: False)
-            whole = sd_judge(x, draft, log_q, law, tests, u)
+            whole = sd_judge(x, draft, DraftLaws(log_probs(y, law), None, None, VOCAB), law, tests, u)
         same(whole, fast)
         listed += bool(RowLaws(x, law).probs_at(fast[2].view(1))[1] is not None)
         rejected += int(fast[2]) < g
-    assert listed > 60 and 20 < rejected < 100
+    assert listed > 60 and 20 < rejected < 100 and q_listed > 60
+
+
+def test_draft_laws_as_lists_are_the_whole_rows() -> None:
+    """The draft's laws kept as top-k lists give what whole rows give, bit for bit: log q of the drafts, q at
+    other tokens (on and off the lists), whole rows, and the rows of a draft mixing listed and whole steps."""
+    law, g = law_of(SAMPLING), 3
+    gen = torch.Generator().manual_seed(8)
+    y = logits_with_ties(2 * g, seed=9).view(2, g, VOCAB)
+    steps = [law_and_draw(y[:, i], law, torch.rand(2, 1, generator=gen)) for i in range(g)]
+    assert all(isinstance(lq, tuple) for lq, _ in steps)
+    rows = log_probs(y, law)
+    laws = DraftLaws.of_steps([lq for lq, _ in steps], VOCAB, spread=lambda t: t, tokens_of=lambda t: t)
+    assert laws.listed and torch.equal(laws.full(), rows)
+    whole = DraftLaws(rows, None, None, VOCAB)
+    drawn = torch.stack([col for _, col in steps], dim=1)
+    others = torch.randint(VOCAB, (1, 50), generator=gen)
+    for w in range(2):
+        assert torch.equal(laws.seq(w).of(drawn[w]), whole.seq(w).of(drawn[w]))
+        assert torch.isfinite(laws.seq(w).of(drawn[w])).all()
+        for i in range(g):
+            at = torch.tensor([i])
+            tokens = torch.cat([laws.tokens[w, i][None], others], dim=1)
+            assert torch.equal(laws.seq(w).at(at, tokens), whole.seq(w).at(at, tokens))
+            assert torch.equal(laws.seq(w).row(at), rows[w, i])
+    mixed = [steps[0][0], rows[:, 1], steps[2][0]]
+    assert torch.equal(DraftLaws.of_steps(mixed, VOCAB, lambda t: t, lambda t: t).rows, rows)

@@ -18,6 +18,7 @@ from torch.nn import functional as F
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from mtad.decoding import generate
+from mtad.decoding.draft_laws import DraftLaws
 from mtad.models.pair import ModelPair, load
 from mtad.models.shortlist_draft import Int8Linear, ShortlistForCausalLM, int8_kernel_input
 from mtad.sampling import log_probs
@@ -308,3 +309,27 @@ def test_an_int8_layer_deep_copies_after_keeping_a_packed_product() -> None:
         assert twin.qweight is not layer.qweight and torch.equal(twin.qweight, layer.qweight)
         assert twin.kernel == layer.kernel and not twin._kept
         torch.testing.assert_close(twin(x), want)
+
+
+@pytest.mark.parametrize("method", ["sd", "spectr", "specinfer"])
+def test_draft_laws_kept_as_lists_write_what_whole_rows_write(
+    micro_shortlist_pair: ModelPair, method: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the CPU the draft's laws are kept as their top-k lists over the shortlist's columns (token ids
+    mapped from columns): the same texts and the same log q in every step as whole rows over the vocabulary
+    (a GPU's path)."""
+    pair = micro_shortlist_pair
+    s = SD.with_(method=method, max_new_tokens=30, num_drafts=2, seed=3)
+    kept = []
+    of_steps = DraftLaws.of_steps.__func__
+    monkeypatch.setattr(DraftLaws, "of_steps", classmethod(lambda *a: kept.append(of_steps(*a)) or kept[-1]))
+    runs = []
+    for lists in (True, False):
+        with monkeypatch.context() as m:
+            if not lists:
+                m.setattr("mtad.sampling._none_on_cpu", lambda t: False)
+            run = generate(pair, "abcab", s, raw=True)
+        runs.append((run.new_ids, [step.log_q for step in run.steps]))
+    listed = [laws.listed for laws in kept]
+    assert any(listed) and not all(listed)  # lists in the first run, whole rows in the second
+    assert runs[0] == runs[1]

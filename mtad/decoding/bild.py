@@ -44,7 +44,7 @@ def bild_draft(st: DecodeState, g: int) -> LittleDraft:
         return tops[-1] < log_tau1
 
     drafts = iid_draft(st, g, stop=unsure)
-    return LittleDraft(drafts.tokens, drafts.log_q, drafts.calls, tops)
+    return LittleDraft(drafts.tokens, drafts.laws, drafts.calls, tops)
 
 
 def bild_accept(st: DecodeState, drafts: LittleDraft, logits: torch.Tensor) -> Verdict:

@@ -15,12 +15,14 @@ iteration's ONE host read (``to_host``), the ``Step`` and ``DecodeState.finish``
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 import torch
 
+from mtad.decoding.draft_laws import DraftLaws
 from mtad.decoding.fused import fused
 from mtad.decoding.state import DecodeState, to_host
 from mtad.events import Step
@@ -132,12 +134,17 @@ def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Drafts:
-    """m draft sequences [m, g], the draft's distributions they were drawn from [m, g, V], and the draft
+    """m draft sequences [m, g], the draft's laws they were drawn from (:class:`DraftLaws`), and the draft
     forwards they took."""
 
     tokens: torch.Tensor
-    log_q: torch.Tensor
+    laws: DraftLaws
     calls: int
+
+    @functools.cached_property
+    def log_q(self) -> torch.Tensor:
+        """The laws over the whole vocabulary [m, g, V], written once where a rule reads them whole."""
+        return self.laws.full()
 
 
 def iid_draft(st: DecodeState, g: int, m: int = 1, stop: Callable[[torch.Tensor], bool] | None = None) -> Drafts:
@@ -150,10 +157,10 @@ def iid_draft(st: DecodeState, g: int, m: int = 1, stop: Callable[[torch.Tensor]
     pending = st.pending(st.draft)
     st.draft.cache.fan_out(m)
     tokens = pending.expand(m, -1)
-    drafted, q_rows = [], []
+    drafted, laws = [], []
     law = st.law
     for _ in range(g):
-        if stop is None:  # [m, C] over the draft's columns, and a column drawn from each row
+        if stop is None:  # the law over the draft's columns (or its top-k lists), and a column drawn from each row
             lq, col = draw(st.run_draft(tokens), law, st.uniforms((m,)), fuse=st.fused)
         else:  # the check looks before anything is drawn
             lq = st.draft_logq(tokens)
@@ -162,13 +169,15 @@ def iid_draft(st: DecodeState, g: int, m: int = 1, stop: Callable[[torch.Tensor]
             col = pick(lq, st.settings, st.generator)
         tok = st.draft_tokens(col)
         drafted.append(tok)
-        q_rows.append(lq)
+        laws.append(lq)
         tokens = tok[:, None]
     calls = len(drafted) + (len(drafted) < g)
+    vocab = st.draft.vocab
     if not drafted:
-        empty = torch.empty(m, 0, st.draft.vocab, device=st.device)
-        return Drafts(tokens=pending.new_empty(m, 0), log_q=empty, calls=calls)
-    return Drafts(tokens=torch.stack(drafted, dim=1), log_q=st.draft_full(torch.stack(q_rows, dim=1)), calls=calls)
+        empty = torch.empty(m, 0, vocab, device=st.device)
+        return Drafts(tokens=pending.new_empty(m, 0), laws=DraftLaws(empty, None, None, vocab), calls=calls)
+    laws = DraftLaws.of_steps(laws, vocab, st.draft_full, st.draft_tokens)
+    return Drafts(tokens=torch.stack(drafted, dim=1), laws=laws, calls=calls)
 
 
 def verify_row(st: DecodeState, drafts: Drafts) -> torch.Tensor:
@@ -194,13 +203,16 @@ def target_token(st: DecodeState, proposal: None, logits: torch.Tensor) -> Verdi
 
 
 @fused
-def draw(logits: torch.Tensor, law: Law, u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def draw(
+    logits: torch.Tensor, law: Law, u: torch.Tensor | None
+) -> tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
     """The run's law over ``logits`` [..., C] and one column a row drawn from it at uniforms ``u`` [..., 1]
-    (:func:`~mtad.sampling.uniforms`; None when greedy: argmax). Compiled into a few kernels on a GPU
-    (:mod:`mtad.decoding.fused`)."""
+    (:func:`~mtad.sampling.uniforms`; None when greedy: argmax). The law as :func:`law_and_draw` keeps it:
+    log q [..., C], or on the CPU, where it lives on the top-k lists, those lists (log q, columns [rows, k]).
+    Compiled into a few kernels on a GPU (:mod:`mtad.decoding.fused`), where it is always whole rows."""
     flat = logits.reshape(-1, logits.shape[-1])
     lp, col = law_and_draw(flat, law, None if u is None else u.reshape(-1, 1))
-    return lp.view(logits.shape), col.view(logits.shape[:-1])
+    return (lp if isinstance(lp, tuple) else lp.view(logits.shape)), col.view(logits.shape[:-1])
 
 
 @fused

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from mtad.decoding.draft_laws import DraftLaws
 from mtad.decoding.fused import fused
 from mtad.decoding.iteration import Drafts, Iteration, Verdict, iid_draft, verify_row
 from mtad.decoding.rules import sd_accept_length_t
@@ -22,10 +23,10 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 def sd_accept(st: DecodeState, drafts: Drafts, logits: torch.Tensor) -> Verdict:
     """Accept draft i with min(1, p/q) until the first rejection; then resample from the residual, or
     after g accepted drafts draw the bonus token from p. Greedy: keep drafts while they are argmax p."""
-    draft, log_q = drafts.tokens[0], drafts.log_q[0]
+    draft, q = drafts.tokens[0], drafts.laws.seq(0)
     # the acceptance tests' uniforms, then the one the extra token is drawn at (None when greedy)
     tests = None if st.settings.is_greedy else torch.rand(draft.numel(), generator=st.generator, device=st.device)
-    lp_x, lq_x, n, extra, kept_lp = sd_judge(logits, draft, log_q, st.law, tests, st.uniforms(), fuse=st.fused)
+    lp_x, lq_x, n, extra, kept_lp = sd_judge(logits, draft, q, st.law, tests, st.uniforms(), fuse=st.fused)
     return Verdict(draft, lp_x.cumsum(0), lq_x.cumsum(0), n, extra, kept_lp, draft_calls=draft.numel(), uniforms=tests)
 
 
@@ -33,19 +34,19 @@ def sd_accept(st: DecodeState, drafts: Drafts, logits: torch.Tensor) -> Verdict:
 def sd_judge(
     logits: torch.Tensor,
     draft: torch.Tensor,
-    log_q: torch.Tensor,
+    q: DraftLaws,
     law: Law,
     tests: torch.Tensor | None,
     u: torch.Tensor | None,
 ) -> tuple[torch.Tensor, ...]:
-    """SD's rule on the target's [g + 1, V] ``logits`` over ``draft`` [g] drawn from ``log_q`` [g, V], with
+    """SD's rule on the target's [g + 1, V] ``logits`` over ``draft`` [g] drawn from the laws ``q`` [g], with
     the acceptance tests' uniforms ``tests`` [g] and the extra token's ``u`` (None when greedy): log p and
     log q of each draft, how many are kept, the extra token and the kept tokens' unwarped log p's.
     Compiled into a few kernels on a GPU (:mod:`mtad.decoding.fused`)."""
     g = draft.numel()
     laws = RowLaws(logits, law)
     lp_x = laws.of(draft)
-    lq_x = log_q.gather(1, draft[:, None])[:, 0]
+    lq_x = q.of(draft)
     if tests is None:  # greedy: keep drafts while they are argmax p, whole rows at T = 1
         n = (laws.full[:g].argmax(dim=-1) == draft).long().cumprod(0).sum()
         extra = laws.full.index_select(0, n.view(1))[0].argmax()
@@ -54,9 +55,9 @@ def sd_judge(
         row = n.view(1)  # index_select, not [0-d tensor] indexing, which reads the index on the host
         # only row n's laws: the target's p there, and q there after a rejection (none after g accepted)
         p, tokens = laws.probs_at(row)  # where p lives on its top-k list, so does the residual: q is read there
-        q_row = log_q.index_select(0, row.clamp(max=g - 1))
-        q = (probs(q_row)[0] if tokens is None else q_row.gather(1, tokens)[0].exp()) * (n < g)
-        table = residual(p, q)  # after g accepted drafts, p itself: the bonus token
+        at = row.clamp(max=g - 1)
+        q_p = (probs(q.row(at)) if tokens is None else q.at(at, tokens)[0].exp()) * (n < g)
+        table = residual(p, q_p)  # after g accepted drafts, p itself: the bonus token
         extra = sample_at(torch.where(table.sum() > 0, table, p), u)
         if tokens is not None:
             extra = tokens[0].take(extra)
