@@ -52,7 +52,9 @@ class StaticKV:
     tokens at slots ``length …`` (then :meth:`wrote`). One set of buffers per row count is kept and reused,
     so beams fanning out and back to one row every iteration move between the same tensors (what CUDA
     graphs need: a graph reads the buffers it was captured over); only a larger capacity makes new ones,
-    and bumps :attr:`epoch`.
+    and bumps :attr:`epoch`. A set is one tensor, :attr:`base`, whose views are the layers' keys and values:
+    moving rows is one ``index_select`` and one copy for the whole model, not one a layer's buffer (a beam
+    search moves rows four times an iteration).
 
     Row operations copy only what differs: the first :attr:`shared` positions are the same in every row
     (the context the rows were fanned out from), so reordering beams moves their few drafted positions,
@@ -70,7 +72,8 @@ class StaticKV:
         self.epoch = 0
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self._sets: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        self.base: torch.Tensor | None = None  # every layer's keys, then values, [2 layers, rows, heads, S, d]
+        self._sets: dict[int, tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]] = {}
         self._synced: dict[int, int] = {}  # row count -> leading positions of the shared context its set holds
         self.tokens: TokenRows | None = None  # the ids held, row by row, where a draft's context bias reads them
 
@@ -139,9 +142,9 @@ class StaticKV:
     @torch.inference_mode()  # the buffers are inference tensors, changed in place
     def keep_positions(self, keep: list[int]) -> None:
         """Keep only the positions ``keep`` (in order), e.g. the context and one path of a token tree."""
-        idx = torch.tensor(keep, device=self.device)
-        for buf in self.keys + self.values:
-            buf[:, :, : len(keep)] = buf.index_select(2, idx)
+        if self.base is not None:
+            idx = torch.tensor(keep, device=self.device)
+            self.base[:, :, :, : len(keep)] = self.base.index_select(3, idx)
         self.length = len(keep)
         self._forget_from(next((i for i, k in enumerate(keep) if i != k), len(keep)))
         if self.tokens is not None:
@@ -171,19 +174,19 @@ class StaticKV:
         else:
             start = min(self._synced.get(rows, 0), shared)
 
-        def window() -> list[torch.Tensor]:
-            """Positions ``start`` … ``n`` of every buffer of the current set (none when there are none)."""
-            return [t.narrow(2, start, n - start) for t in self.tensors()] if n > start else []
+        def window() -> torch.Tensor | None:
+            """Positions ``start`` … ``n`` of every buffer of the current set (None when there are none)."""
+            return self.base.narrow(3, start, n - start) if n > start and self.base is not None else None
 
         spans = window()
-        picked = [t.index_select(0, index) for t in spans]
+        picked = None if spans is None else spans.index_select(1, index)
         if rows != self.rows or capacity != self.capacity:
             if self.keys:
                 self._synced[self.rows] = shared
             self._allocate(rows, capacity)
             spans = window()  # the new set's
-        if picked:  # one dispatch for every layer's copy
-            torch._foreach_copy_(spans, picked)
+        if picked is not None:  # one copy for every layer's keys and values
+            spans.copy_(picked)
         if rows == 1 or copies:  # one row, or copies of one row
             self.shared = n
 
@@ -195,16 +198,16 @@ class StaticKV:
             self._synced.clear()
             self.epoch += 1
         if rows in self._sets:
-            self.keys, self.values = self._sets[rows]
+            self.base, self.keys, self.values = self._sets[rows]
             return
-        shape = (rows, self.kv_heads, capacity, self.head_dim)
-        self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
-        self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
+        shape = (2 * self.layers, rows, self.kv_heads, capacity, self.head_dim)
+        self.base = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.keys, self.values = list(self.base[: self.layers].unbind(0)), list(self.base[self.layers :].unbind(0))
         for buf in self.keys + self.values:
             torch._dynamo.mark_dynamic(buf, 2)  # a larger capacity is the same compiled graph
             if rows > 1:
                 torch._dynamo.mark_dynamic(buf, 0)  # so is another count of beams or drafts
-        self._sets[rows] = (self.keys, self.values)
+        self._sets[rows] = (self.base, self.keys, self.values)
 
 
 class StaticLM:
