@@ -106,7 +106,12 @@ def reads_free(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
-def _listed(top: TopList, at: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+Listed = tuple[torch.Tensor, torch.Tensor]
+"""A law on its top-k lists in token order (:func:`_listed`): log p [rows, k] (-inf where top-p drops a
+token) and the tokens (columns) [rows, k]."""
+
+
+def _listed(top: TopList, at: torch.Tensor | None = None) -> Listed | None:
     """The law of rows ``at`` (all: None) on their top-k lists alone, in token order: log p [rows, k] (-inf
     where top-p drops a token) and the tokens [rows, k]; None unless no row keeps a tie the list left out,
     which only the CPU knows for free (:func:`_none_on_cpu`; elsewhere the callers draw from whole rows).
@@ -137,7 +142,7 @@ def _law_of(logits: torch.Tensor, settings: Settings | Law, top: TopList | None)
 
 def law_and_draw(
     logits: torch.Tensor, settings: Settings | Law, u: torch.Tensor | None
-) -> tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+) -> tuple[torch.Tensor | Listed, torch.Tensor]:
     """The run's law over [rows, C] ``logits`` and a column a row drawn from it at uniforms ``u`` [rows, 1]
     (None when greedy: argmax), as :func:`pick_at` draws it. The law is kept as the draw made it: on the
     top-k lists where it lives there (:func:`_listed`: log p and columns [rows, k], in token order), without
@@ -153,13 +158,8 @@ def law_and_draw(
 
 def draw_token(logits: torch.Tensor, settings: Settings | Law, u: torch.Tensor | None) -> torch.Tensor:
     """A column a row of [rows, C] ``logits`` drawn from the run's law at uniforms ``u`` [rows, 1] (None when
-    greedy: argmax), without the whole rows' law where it lives on the top-k lists (:func:`_listed`)."""
-    logits = _fp32(logits)
-    top = None if settings.is_greedy else _top_list(logits, settings)
-    listed = None if top is None else _listed(top)
-    if listed is None:
-        return pick_at(_law_of(logits, settings, top), settings, u)
-    return _draw_listed(*listed, u)
+    greedy: argmax): :func:`law_and_draw`'s draw, for a caller that keeps no law."""
+    return law_and_draw(logits, settings, u)[1]
 
 
 def _none_on_cpu(t: torch.Tensor) -> bool:

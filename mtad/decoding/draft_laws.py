@@ -13,8 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-Listed = tuple[torch.Tensor, torch.Tensor]
-"""A law on its top-k lists in token order: log q [rows, k] (-inf where top-p drops a token), the columns."""
+from mtad.sampling import Listed
 
 
 class DraftLaws(NamedTuple):

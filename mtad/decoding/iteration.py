@@ -26,7 +26,7 @@ from mtad.decoding.draft_laws import DraftLaws
 from mtad.decoding.fused import fused
 from mtad.decoding.state import DecodeState, to_host
 from mtad.events import Step
-from mtad.sampling import Law, draw_token, law_and_draw, pick
+from mtad.sampling import Law, Listed, draw_token, law_and_draw, pick
 
 P = TypeVar("P")  # a drafter's proposal
 S = TypeVar("S")  # a verifier's scores
@@ -203,9 +203,7 @@ def target_token(st: DecodeState, proposal: None, logits: torch.Tensor) -> Verdi
 
 
 @fused
-def draw(
-    logits: torch.Tensor, law: Law, u: torch.Tensor | None
-) -> tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+def draw(logits: torch.Tensor, law: Law, u: torch.Tensor | None) -> tuple[torch.Tensor | Listed, torch.Tensor]:
     """The run's law over ``logits`` [..., C] and one column a row drawn from it at uniforms ``u`` [..., 1]
     (:func:`~mtad.sampling.uniforms`; None when greedy: argmax). The law as :func:`law_and_draw` keeps it:
     log q [..., C], or on the CPU, where it lives on the top-k lists, those lists (log q, columns [rows, k]).
