@@ -170,6 +170,7 @@ class Pooled:
     joules_per_token: float | None
     metered_runs: int
     repetition: float | None = None
+    target_call_seconds: float | None = None
 
     def to_dict(self) -> dict:
         return json_safe(asdict(self))
@@ -184,7 +185,9 @@ def perplexity_of(nll: float, tokens: int) -> float:
 def pool(runs: Sequence[Metrics]) -> Pooled:
     """Pooled figures of several runs: perplexity = exp(total NLL / total new tokens) (paper eq. 1 over
     all tokens), speed = total tokens / total seconds, J/token = total joules / total tokens of the
-    metered runs, block efficiency, acceptance and repetition as ratios of totals; None where a total is 0."""
+    metered runs, block efficiency, acceptance and repetition as ratios of totals, and the seconds of one target
+    call (all target-forward seconds over all target calls: what a verification costs, set beside AR's one-token
+    forward); None where a total is 0."""
     tokens = sum(m.new_tokens for m in runs)
     seconds = sum(m.seconds for m in runs)
     calls = sum(m.target_calls for m in runs)
@@ -203,4 +206,5 @@ def pool(runs: Sequence[Metrics]) -> Pooled:
         joules_per_token=sum(m.joules for m in metered) / metered_tokens if metered_tokens else None,
         metered_runs=len(metered),
         repetition=sum(m.repeated_ngrams for m in runs) / grams if (grams := sum(m.ngrams for m in runs)) else None,
+        target_call_seconds=sum(m.target_seconds for m in runs) / calls if calls else None,
     )

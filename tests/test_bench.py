@@ -22,7 +22,7 @@ from mtad.bench.run import Case
 from mtad.decoding import decode, generate, hf_assisted
 from mtad.energy import EnergyReading
 from mtad.events import json_safe
-from mtad.metrics import Metrics, summarize
+from mtad.metrics import Metrics, pool, summarize
 from mtad.prompts import Prompt, PromptFileError, read_prompts
 from mtad.settings import Settings
 
@@ -1034,6 +1034,33 @@ def test_a_row_pools_its_runs_acceptance_curve_and_the_table_prints_it():
     lines = render_table(list(rows.values())).splitlines()
     i = lines.index("acceptance by draft position (token i kept, given tokens 1..i-1 were):")
     assert lines[i + 1] == "  sd  0.50  0.67  0.00" and len(lines) == i + 2
+
+
+def test_a_target_call_is_timed_over_every_call_and_set_against_ars():
+    """A row's target call: all its target-forward seconds over all its target calls (runs of different
+    lengths weigh by their calls); against the one AR row's, what a verification costs over a one-token
+    forward; none against AR where there are two AR rows. The table prints both under the curves."""
+    from mtad.bench.aggregate import aggregate
+    from mtad.bench.report import render_table
+
+    def run(case: str, method: str, prompt: int, seconds: float, calls: int) -> dict:
+        return _record(case, prompt, tokens=calls, method=method, target_seconds=seconds, target_calls=calls)
+
+    records = [run("ar", "ar", 0, 0.10, 10), run("ar", "ar", 1, 0.30, 30)]  # 10 ms a call
+    records += [run("sd", "sd", 0, 0.16, 10), run("sd", "sd", 1, 0.04, 1)]  # 0.20 s over 11 calls
+    rows = {r["case"]: r for r in aggregate(records)}
+    assert rows["ar"]["target_call_seconds"] == pytest.approx(0.01)
+    assert rows["sd"]["target_call_seconds"] == pytest.approx(0.20 / 11)  # not the mean of 16 and 40 ms
+    assert rows["sd"]["target_call_vs_ar"] == pytest.approx(0.20 / 11 / 0.01)
+    assert rows["ar"]["target_call_vs_ar"] == pytest.approx(1.0)
+    for r in rows.values():
+        r.update(error=None, budget_stopped=False)
+    lines = render_table(list(rows.values())).splitlines()
+    i = lines.index("a target call, ms, and against AR's (a verification's cost over a one-token forward's):")
+    assert lines[i + 1 : i + 3] == ["  ar  10.0", "  sd  18.2  1.82×"]
+    twice = aggregate([*records, {**run("ar", "ar", 2, 0.1, 5), "case": "ar again"}])
+    assert all(r["target_call_vs_ar"] is None for r in twice)
+    assert pool([Metrics.from_dict(_record("ar", 0, tokens=1, target_calls=0))]).target_call_seconds is None  # no call
 
 
 def test_perplexity_against_sd_where_neither_text_loops():

@@ -107,8 +107,8 @@ def aggregate(
 ) -> list[dict]:
     """One row per case (``cases`` order, then first-seen): the pooled figures, the perplexity over the
     prompts every case finished and its difference to SD's (:func:`perplexity_gap`, over every run and over
-    the runs where neither text loops), per-run ``<metric>_mean``/``_std``, and the case's error if it
-    failed."""
+    the runs where neither text loops), a target call's seconds over the AR row's (where there is one AR row),
+    per-run ``<metric>_mean``/``_std``, and the case's error if it failed."""
     failures = failures or {}
     groups: dict[str, list[dict]] = {c["case"]: [] for c in cases}
     for r in records:
@@ -142,4 +142,8 @@ def aggregate(
         row["budget_stopped"] = label in budget_stopped
         row["error"] = failures.get(label)
         rows.append(row)
+    ar = [r for r in rows if r["method"] == "ar" and r["target_call_seconds"]]
+    for row in rows:  # against the one AR row: a verification's cost over a one-token forward's
+        mine = row["target_call_seconds"]
+        row["target_call_vs_ar"] = mine / ar[0]["target_call_seconds"] if len(ar) == 1 and mine else None
     return rows

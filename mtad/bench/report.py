@@ -104,6 +104,15 @@ def render_table(aggregates: Sequence[dict], energy_note: str | None = None) -> 
         out.append("acceptance by draft position (token i kept, given tokens 1..i-1 were):")
         width = max(len(case) for case, c in curves if c)
         out.extend(f"  {case.ljust(width)}  {'  '.join(fmt(v) for v in c)}" for case, c in curves if c)
+    calls = [r for r in aggregates if r.get("target_call_seconds")]
+    if calls:
+        out.append("a target call, ms, and against AR's (a verification's cost over a one-token forward's):")
+        width = max(len(r["case"]) for r in calls)
+        out.extend(
+            f"  {r['case'].ljust(width)}  {fmt(r['target_call_seconds'] * 1e3)}"
+            + (f"  {r['target_call_vs_ar']:.2f}×" if r.get("target_call_vs_ar") and r["method"] != "ar" else "")
+            for r in calls
+        )
     gaps = [(r["case"], r["perplexity_vs_sd"]) for r in aggregates if r.get("perplexity_vs_sd")]
     if gaps:
         out.append("perplexity minus SD's over the common prompts (95 % interval, prompts resampled):")
