@@ -44,11 +44,20 @@ class Metrics:
     ngrams: int = 0
     repeated_ngrams: int = 0
     repetition: float | None = None
+    later_target_seconds: float = 0.0
+    later_target_calls: int = 0
 
     @property
     def loops(self) -> bool:
         """The text repeats itself: a low perplexity then rewards the loop, not the decoder."""
         return self.repetition is not None and self.repetition >= LOOP_REPETITION
+
+    @property
+    def target_call_seconds(self) -> float | None:
+        """Seconds of one target forward after the first step (whose forward also reads the prompt, and would
+        weigh more in a run of fewer calls): set beside AR's one-token forward, what a verification costs on
+        this device; None without such a call."""
+        return self.later_target_seconds / self.later_target_calls if self.later_target_calls else None
 
     def to_dict(self) -> dict:
         return json_safe(asdict(self))
@@ -92,6 +101,8 @@ def summarize(steps: Sequence[Step], joules: float | None = None, energy_note: s
         overhead_fraction=o / secs if secs > 0 else 0.0,
         joules=joules,
         joules_per_token=joules / new if joules is not None and new else None,
+        later_target_seconds=sum(s.target_seconds for s in steps[1:]),
+        later_target_calls=sum(s.target_calls for s in steps[1:]),
         energy_note=energy_note,
         ngrams=ngrams,
         repeated_ngrams=repeated,
@@ -186,11 +197,12 @@ def pool(runs: Sequence[Metrics]) -> Pooled:
     """Pooled figures of several runs: perplexity = exp(total NLL / total new tokens) (paper eq. 1 over
     all tokens), speed = total tokens / total seconds, J/token = total joules / total tokens of the
     metered runs, block efficiency, acceptance and repetition as ratios of totals, and the seconds of one target
-    call (all target-forward seconds over all target calls: what a verification costs, set beside AR's one-token
-    forward); None where a total is 0."""
+    call (:attr:`Metrics.target_call_seconds` pooled: the runs' target seconds after their first step over their
+    target calls there); None where a total is 0."""
     tokens = sum(m.new_tokens for m in runs)
     seconds = sum(m.seconds for m in runs)
     calls = sum(m.target_calls for m in runs)
+    later_calls = sum(m.later_target_calls for m in runs)
     drafted = sum(m.drafted for m in runs)
     metered = [m for m in runs if m.joules is not None]
     metered_tokens = sum(m.new_tokens for m in metered)
@@ -206,5 +218,5 @@ def pool(runs: Sequence[Metrics]) -> Pooled:
         joules_per_token=sum(m.joules for m in metered) / metered_tokens if metered_tokens else None,
         metered_runs=len(metered),
         repetition=sum(m.repeated_ngrams for m in runs) / grams if (grams := sum(m.ngrams for m in runs)) else None,
-        target_call_seconds=sum(m.target_seconds for m in runs) / calls if calls else None,
+        target_call_seconds=sum(m.later_target_seconds for m in runs) / later_calls if later_calls else None,
     )

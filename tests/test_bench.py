@@ -1037,14 +1037,17 @@ def test_a_row_pools_its_runs_acceptance_curve_and_the_table_prints_it():
 
 
 def test_a_target_call_is_timed_over_every_call_and_set_against_ars():
-    """A row's target call: all its target-forward seconds over all its target calls (runs of different
-    lengths weigh by their calls); against the one AR row's, what a verification costs over a one-token
-    forward; none against AR where there are two AR rows. The table prints both under the curves."""
+    """A row's target call: its runs' target-forward seconds after their first step over their target calls
+    there (runs of different lengths weigh by their calls); against the one AR row's, what a verification costs
+    over a one-token forward; none against AR where there are two AR rows. The table prints both under the
+    curves."""
     from mtad.bench.aggregate import aggregate
     from mtad.bench.report import render_table
 
     def run(case: str, method: str, prompt: int, seconds: float, calls: int) -> dict:
-        return _record(case, prompt, tokens=calls, method=method, target_seconds=seconds, target_calls=calls)
+        return _record(
+            case, prompt, tokens=calls, method=method, later_target_seconds=seconds, later_target_calls=calls
+        )
 
     records = [run("ar", "ar", 0, 0.10, 10), run("ar", "ar", 1, 0.30, 30)]  # 10 ms a call
     records += [run("sd", "sd", 0, 0.16, 10), run("sd", "sd", 1, 0.04, 1)]  # 0.20 s over 11 calls
@@ -1060,7 +1063,9 @@ def test_a_target_call_is_timed_over_every_call_and_set_against_ars():
     assert lines[i + 1 : i + 3] == ["  ar  10.0", "  sd  18.2  1.82×"]
     twice = aggregate([*records, {**run("ar", "ar", 2, 0.1, 5), "case": "ar again"}])
     assert all(r["target_call_vs_ar"] is None for r in twice)
-    assert pool([Metrics.from_dict(_record("ar", 0, tokens=1, target_calls=0))]).target_call_seconds is None  # no call
+    assert (
+        pool([Metrics.from_dict(_record("ar", 0, tokens=1, later_target_calls=0))]).target_call_seconds is None
+    )  # no call
 
 
 def test_perplexity_against_sd_where_neither_text_loops():

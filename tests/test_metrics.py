@@ -11,7 +11,7 @@ import torch
 
 from mtad.decoding import generate
 from mtad.events import Step
-from mtad.metrics import Metrics, perplexity, summarize
+from mtad.metrics import Metrics, perplexity, pool, summarize
 from mtad.models.pair import ModelPair
 from mtad.settings import Settings
 
@@ -70,6 +70,16 @@ def test_summary_of_hand_made_steps() -> None:
     assert m.tokens_per_second == pytest.approx(1.5)
     assert m.overhead_fraction == pytest.approx(0.3125)  # 0.625 s of bookkeeping in 2 s
     assert m.joules == 6.0 and m.joules_per_token == pytest.approx(2.0)
+
+
+def test_a_target_call_is_timed_after_the_first_step_which_also_reads_the_prompt() -> None:
+    steps = hand_made_steps()
+    steps[1].target_seconds, steps[1].target_calls = 0.3, 2  # 0.15 s a call; the first step's 0.5 s is left out
+    m = summarize(steps)
+    assert (m.later_target_seconds, m.later_target_calls) == (pytest.approx(0.3), 2)
+    assert m.target_call_seconds == pytest.approx(0.15) and m.target_seconds == pytest.approx(0.8)
+    assert summarize(steps[:1]).target_call_seconds is None  # one step: no call after the prompt's
+    assert pool([m, m]).target_call_seconds == pytest.approx(0.15)
 
 
 def test_summary_without_drafts_or_meter() -> None:

@@ -41,9 +41,25 @@ def versus_ar(m: Metrics, lane: LaneRecord, ar: Metrics | None) -> tuple[str, st
     return f"{ratio:.2f}×", "this lane's tokens/s ÷ the AR lane's tokens/s, same run, same device"
 
 
+def target_call(m: Metrics, lane: LaneRecord, ar: Metrics | None) -> tuple[str, str]:
+    """(value, tooltip) of the card's "per target call" cell: the seconds of one target forward, and over the
+    same run's AR lane's (a one-token forward), what this lane's verification costs on this device."""
+    mine = m.target_call_seconds
+    tip = f"the target's forward seconds / its {m.target_calls} forward passes"
+    if mine is None:
+        return "—", tip
+    value = f"{fmt(mine * 1e3)} ms"
+    theirs = ar.target_call_seconds if ar is not None and lane.method != "ar" else None
+    if not theirs:
+        return value, tip
+    tip += "; in brackets, over the AR lane's one-token forward: what one verification costs here"
+    return f"{value} ({mine / theirs:.2f}×)", tip
+
+
 def card_html(lane: LaneRecord, ar: Metrics | None = None) -> str:
     """One lane's card: speed (and its ratio to the same run's AR lane, ``ar``), energy, block efficiency,
-    acceptance, perplexity and repetition (with a warning when the text loops), target calls."""
+    acceptance, perplexity and repetition (with a warning when the text loops), and the seconds of a target call
+    (and their ratio to the AR lane's)."""
     m = lane.metrics()
     times, tip = versus_ar(m, lane, ar)
     rows = [
@@ -58,7 +74,7 @@ def card_html(lane: LaneRecord, ar: Metrics | None = None) -> str:
             "—" if m.repetition is None else f"{m.repetition:.0%}",
             "share of this text's 4-token sequences that already appeared in it",
         ),
-        ("target calls", str(m.target_calls), "target forward passes"),
+        ("per target call", *target_call(m, lane, ar)),
     ]
     loop_tag = '<div class="card-loop-tag">the text loops (see below)</div>' if m.loops else ""
     cells = "".join(

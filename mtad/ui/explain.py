@@ -24,5 +24,8 @@ EXPLAIN = """\
   target like the draft nearly as much as the draft liked itself.
 * **Honest timing:** the lanes run one at a time on the device, each with its own clock (and energy meter);
   when the run ends, the race above the lanes replays them on one true time axis, and each card's **× AR**
-  compares its speed with the AR lane of the same run. **Replay** re-animates the lanes themselves.
+  compares its speed with the AR lane of the same run. **Per target call** says what one target forward
+  costs here, and in brackets how much more a verification of several tokens costs than AR's one-token
+  forward. A decoder beats AR when it keeps more tokens per call than that ratio, with room to spare for
+  drafting. **Replay** re-animates the lanes themselves.
 """
