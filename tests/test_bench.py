@@ -1036,7 +1036,7 @@ def test_a_row_pools_its_runs_acceptance_curve_and_the_table_prints_it():
     assert lines[i + 1] == "  sd  0.50  0.67  0.00" and len(lines) == i + 2
 
 
-def test_a_target_call_is_timed_over_every_call_and_set_against_ars():
+def test_a_rows_target_call_pools_its_runs_calls_and_is_set_against_ars():
     """A row's target call: its runs' target-forward seconds after their first step over their target calls
     there (runs of different lengths weigh by their calls); against the one AR row's, what a verification costs
     over a one-token forward; none against AR where there are two AR rows. The table prints both under the
@@ -1063,9 +1063,8 @@ def test_a_target_call_is_timed_over_every_call_and_set_against_ars():
     assert lines[i + 1 : i + 3] == ["  ar  10.0", "  sd  18.2  1.82×"]
     twice = aggregate([*records, {**run("ar", "ar", 2, 0.1, 5), "case": "ar again"}])
     assert all(r["target_call_vs_ar"] is None for r in twice)
-    assert (
-        pool([Metrics.from_dict(_record("ar", 0, tokens=1, later_target_calls=0))]).target_call_seconds is None
-    )  # no call
+    no_call = Metrics.from_dict(_record("ar", 0, tokens=1, later_target_calls=0))
+    assert pool([no_call]).target_call_seconds is None
 
 
 def test_perplexity_against_sd_where_neither_text_loops():

@@ -175,10 +175,9 @@ def test_each_card_gives_a_target_call_and_its_ratio_to_the_same_run_s_ar_lane()
     """A target call's time is the lane's target seconds over its target calls after the first step (whose
     forward also reads the prompt); beside the AR lane's one-token forward, the ratio says what a verification
     costs on this device. No AR lane (or an unfinished one): the time alone."""
-    mtad_lane, ar_lane = looping_lane("mtad", seconds=0.03), looping_lane("ar", seconds=0.02)  # 30 and 20 ms a call
+    mtad_lane, ar_lane = looping_lane("mtad", seconds=0.06), looping_lane("ar", seconds=0.02)  # AR: 20 ms a call
     for st in mtad_lane.steps:
         st.target_calls = 2  # 60 ms a step over two calls: 30 ms a call
-        st.target_seconds = 0.06
     mtad_lane.steps[0].target_seconds = 1.0  # the first step's forward also reads the prompt: left out
     mtad_card, ar_card = cards.cards_html([mtad_lane, ar_lane]).split('<div class="mtad-card"')[1:]
     assert card_cells(mtad_card)["per target call"] == "30 ms (1.50×)"

@@ -45,7 +45,8 @@ def target_call(m: Metrics, lane: LaneRecord, ar: Metrics | None) -> tuple[str, 
     """(value, tooltip) of the card's "per target call" cell: the seconds of one target forward, and over the
     same run's AR lane's (a one-token forward), what this lane's verification costs on this device."""
     mine = m.target_call_seconds
-    tip = f"the target's forward seconds / its {m.target_calls} forward passes"
+    tip = f"the target's forward seconds / its {m.later_target_calls} forward passes after the first step's"
+    tip += " (which also reads the prompt)"
     if mine is None:
         return "—", tip
     value = f"{fmt(mine * 1e3)} ms"
