@@ -159,6 +159,14 @@ def speedup(run: Metrics, baseline: Metrics) -> float | None:
     return run.tokens_per_second / baseline.tokens_per_second
 
 
+def target_call_ratio(run: Metrics | Pooled, baseline: Metrics | Pooled) -> float | None:
+    """``run``'s seconds a target call over ``baseline``'s (AR's one-token forward, on the same device): what a
+    verification costs against it, for the page's cards and the bench's rows alike; None when either has no
+    timed call."""
+    mine, theirs = run.target_call_seconds, baseline.target_call_seconds
+    return mine / theirs if mine and theirs else None
+
+
 def perplexity(target_logprobs: Sequence[float]) -> float:
     """exp(-mean log p_target) over the new tokens (unwarped target, T=1; paper eq. 1)."""
     if not target_logprobs:

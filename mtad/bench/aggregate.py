@@ -12,7 +12,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import fields
 
-from mtad.metrics import Metrics, acceptance_by_position, perplexity_of, pool
+from mtad.metrics import Metrics, acceptance_by_position, perplexity_of, pool, target_call_ratio
 
 DRAWS = 10_000
 """Resamples of the prompts behind a perplexity difference's interval."""
@@ -117,13 +117,14 @@ def aggregate(
     common = finished_prompts(records, runs_per_prompt)
     sd = [label for label, rs in groups.items() if (rs[0] if rs else info[label])["method"] == "sd"]
     sd = sd if len(sd) == 1 else []  # one SD row to compare with (a sweep of SD has none)
-    rows = []
+    rows, pooled = [], []
     for label, rs in groups.items():
         first = rs[0] if rs else info[label]
         row = {"case": label, "method": first["method"]}
         row.update({k: first.get(k) for k in ("gamma", "beams", "tau", "draft_mode")})
         metrics = [Metrics.from_dict(r) for r in rs]
-        row.update(pool(metrics).to_dict())
+        pooled.append(pool(metrics))
+        row.update(pooled[-1].to_dict())
         in_common = [m for m, r in zip(metrics, rs, strict=True) if r["prompt_index"] in common]
         row["common_prompts"] = len(common)
         row["perplexity_common"] = pool(in_common).to_dict()["perplexity"] if in_common else None
@@ -142,8 +143,7 @@ def aggregate(
         row["budget_stopped"] = label in budget_stopped
         row["error"] = failures.get(label)
         rows.append(row)
-    ar = [r for r in rows if r["method"] == "ar" and r["target_call_seconds"]]
-    for row in rows:  # against the one AR row: a verification's cost over a one-token forward's
-        mine = row["target_call_seconds"]
-        row["target_call_vs_ar"] = mine / ar[0]["target_call_seconds"] if len(ar) == 1 and mine else None
+    ar = [p for p, r in zip(pooled, rows, strict=True) if r["method"] == "ar" and p.target_call_seconds]
+    for row, p in zip(rows, pooled, strict=True):  # against the one AR row: a verification over a one-token forward
+        row["target_call_vs_ar"] = target_call_ratio(p, ar[0]) if len(ar) == 1 else None
     return rows

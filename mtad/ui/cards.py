@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from html import escape
 
-from mtad.metrics import Metrics, speedup
+from mtad.metrics import Metrics, speedup, target_call_ratio
 from mtad.ui.record import LaneRecord
 
 
@@ -50,11 +50,11 @@ def target_call(m: Metrics, lane: LaneRecord, ar: Metrics | None) -> tuple[str, 
     if mine is None:
         return "—", tip
     value = f"{fmt(mine * 1e3)} ms"
-    theirs = ar.target_call_seconds if ar is not None and lane.method != "ar" else None
-    if not theirs:
+    ratio = target_call_ratio(m, ar) if ar is not None and lane.method != "ar" else None
+    if ratio is None:
         return value, tip
     tip += "; in brackets, over the AR lane's one-token forward: what one verification costs here"
-    return f"{value} ({mine / theirs:.2f}×)", tip
+    return f"{value} ({ratio:.2f}×)", tip
 
 
 def card_html(lane: LaneRecord, ar: Metrics | None = None) -> str:
