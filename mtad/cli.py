@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from mtad.decoding.spec import method_names, registry
 from mtad.settings import DRAFT_MODES, PARAMS, Settings
@@ -47,6 +48,19 @@ def add_engine_arg(p: argparse.ArgumentParser) -> None:
         "target, else eager "
         "(default: MTAD_ENGINE, else auto; generate's auto is eager: for one prompt compiling costs more than "
         "it saves)",
+    )
+
+
+def add_tuning_args(p: argparse.ArgumentParser) -> None:
+    """--tuned and --acceptance: SD's and MTAD's draft settings chosen on this machine (shared with the bench)."""
+    p.add_argument(
+        "--tuned",
+        action="store_true",
+        help="sd and mtad: the draft length (and MTAD's beams) predicted fastest on this machine, instead of "
+        "--gamma and --beams (python -m mtad.tuning show; the first time, about half a minute of timing)",
+    )
+    p.add_argument(
+        "--acceptance", type=Path, help="with --tuned: the pair's acceptance table (default: the one its preset names)"
     )
 
 
@@ -104,6 +118,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--gamma", type=int, help=f"draft length ({span('gamma')}; default {d.gamma}{own})")
     g.add_argument("--beams", type=int, default=d.beams, help=f"MTAD beam count ({span('beams')})")
     g.add_argument("--tau", type=float, default=d.tau, help=f"MTAD threshold in {span('tau')}")
+    add_tuning_args(g)
     g.add_argument(
         "-m",
         "--num-drafts",
@@ -159,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.engine == "auto" and not os.environ.get("MTAD_ENGINE"):
             args.engine = "eager"  # one prompt: compiling its shapes takes longer than decoding it eagerly
         pair = load_pair_from_args(args)
+        if args.tuned:
+            settings = tuned_settings(pair, settings, args.acceptance)
         if pair.engine == "compiled":  # compiled before the clock starts, so the speed printed is decoding's
             from mtad.decoding.static_lm import warm_up_pair
 
@@ -179,6 +196,21 @@ def main(argv: list[str] | None = None) -> int:
         print(render(pair, run, color=sys.stdout.isatty() or bool(os.environ.get("FORCE_COLOR")), prompt=shown))
         print(summary_line(metrics), file=sys.stderr)
     return 0
+
+
+def tuned_settings(pair, settings: Settings, table: Path | None = None) -> Settings:  # noqa: ANN001
+    """``settings`` with the draft settings predicted fastest here (``mtad.tuning``), said on stderr; ValueError
+    for a method whose draft settings are not chosen."""
+    from mtad.decoding import encode_prompt
+    from mtad.tuning import METHODS, TIMING_PROMPT, AcceptanceTable, tuned
+
+    if settings.method not in METHODS:
+        raise ValueError(f"--tuned chooses the draft settings of {' and '.join(METHODS)}, not of {settings.method}")
+    ids = encode_prompt(pair, TIMING_PROMPT, settings)
+    settings, best = tuned(pair, settings, ids, AcceptanceTable.load(table) if table else None)
+    label = best.candidate.label
+    print(f"tuned: {label} (predicted {best.speedup:.2f}× AR on this machine)", file=sys.stderr)
+    return settings
 
 
 def render(pair, run, color: bool = True, prompt: str | None = None) -> str:  # noqa: ANN001

@@ -14,7 +14,7 @@ from pathlib import Path
 from mtad.bench.aggregate import aggregate
 from mtad.bench.report import environment, git_commit, render_table, write_outputs
 from mtad.bench.run import Case, build_cases, run_bench
-from mtad.cli import add_pair_args, add_sampling_args, load_pair_from_args, sampling_settings
+from mtad.cli import add_pair_args, add_sampling_args, add_tuning_args, load_pair_from_args, sampling_settings
 from mtad.decoding import encode_prompt, refusal
 from mtad.decoding.spec import method_names, registry
 from mtad.decoding.static_lm import warm_up_pair
@@ -48,6 +48,7 @@ def parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--beams", default=str(d.beams), help="MTAD beam count, or a comma list to sweep")
     ap.add_argument("--tau", default=str(d.tau), help="MTAD threshold, or a comma list to sweep (0,0.1,...,1)")
+    add_tuning_args(ap)
     ap.add_argument("--seeds", default=str(d.seed), help="comma list of seeds; every method runs every seed")
     ap.add_argument("--repeats", type=int, default=1, help="measured runs per (method, settings, prompt, seed)")
     ap.add_argument("--raw", action="store_true", help="prompts as plain text, without a chat pair's template")
@@ -165,6 +166,26 @@ def runnable(cases: list[Case], pair: ModelPair, explicit: bool) -> list[Case]:
     return kept
 
 
+def tune_cases(pair: ModelPair, cases: list[Case], table: Path | None) -> tuple[list[Case], dict[str, dict]]:
+    """SD's and MTAD's cases with the draft settings predicted fastest here (``mtad.tuning.tuned``), one row
+    each where sweeps of γ or W collapse to the same choice, and each choice's prediction; prints the choices."""
+    from mtad.tuning import TIMING_PROMPT, AcceptanceTable, tuned
+
+    acceptance = AcceptanceTable.load(table) if table else None
+    ids = encode_prompt(pair, TIMING_PROMPT, cases[0].settings.with_(gamma=max(c.settings.gamma for c in cases)))
+    out: list[Case] = []
+    chosen: dict[str, dict] = {}
+    for case in cases:
+        settings, best = tuned(pair, case.settings, ids, acceptance)
+        new = Case(settings)
+        if new not in out:
+            out.append(new)
+        if best is not None:
+            chosen[new.label] = {"predicted_speedup": round(best.speedup, 3), "block_efficiency": best.block_efficiency}
+            print(f"tuned: {new.label} (predicted {best.speedup:.2f}× AR)", file=sys.stderr)
+    return out, chosen
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; 0 on success, 1 when a case failed (its error is in the table and files), 2 (with a
     message on stderr) for any bad input, 130 when interrupted."""
@@ -178,6 +199,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = output_dir(args.out)
         pair = load_pair_from_args(args)
         cases = runnable(cases, pair, explicit=args.methods is not None)
+        tuned = None
+        if args.tuned:
+            cases, tuned = tune_cases(pair, cases, args.acceptance)
         longest = max(cases, key=lambda c: uses_draft(c.method)).settings  # the draft's context counts too
         encoded = []
         for p in prompts:
@@ -224,6 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if out is not None:
         env = environment(pair, argv, meter.reason, meter.source, commit)
         env["compile_seconds"] = compile_seconds
+        env["tuned"] = tuned
         env["prompt_format"] = "chat template, one user turn" if pair.chat and not args.raw else "raw text"
         config = {
             "methods": sorted({c.method for c in cases}, key=method_names().index),

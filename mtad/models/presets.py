@@ -27,6 +27,8 @@ class Preset:
     needs_hub: bool = False
     install: str | None = None
     dtype: str | None = None
+    acceptance: str | None = None
+    """The pair's acceptance table (``mtad.tuning``: tokens per target call per draft setting), if measured."""
 
 
 def presets_path() -> Path:
@@ -55,7 +57,7 @@ def presets(path: Path | None = None) -> dict[str, Preset]:
                 target = str(packaged_file(gguf["package"], gguf["file"], install))
             except PairError:
                 pass  # not installed: the Hub id in ``target`` is the way, and ``install`` the advice
-        prompts = entry.get("prompts")
+        prompts, acceptance = entry.get("prompts"), entry.get("acceptance")
         out[name] = Preset(
             name=name,
             draft=draft,
@@ -65,6 +67,7 @@ def presets(path: Path | None = None) -> dict[str, Preset]:
             needs_hub=not all(Path(src).exists() for src in (draft, target)),
             install=install,
             dtype=entry.get("dtype"),
+            acceptance=str(path.parent / acceptance) if acceptance else None,
         )
     return out
 

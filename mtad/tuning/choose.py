@@ -1,0 +1,109 @@
+"""Predicted speeds and the fastest candidate: block efficiency from the pair's table over an iteration's
+seconds timed here, against AR's seconds a token."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from mtad.models.pair import ModelPair
+from mtad.settings import Settings
+from mtad.tuning.table import METHODS, AcceptanceTable, Candidate, Row, describe_law, law_of, shipped_table
+from mtad.tuning.timing import cached_iteration_seconds
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One candidate's expected speed here: its tokens per target call (from the table) over its seconds an
+    iteration (timed here), and that speed against AR's."""
+
+    candidate: Candidate
+    block_efficiency: float
+    iteration_seconds: float
+    ar_seconds: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.block_efficiency / self.iteration_seconds
+
+    @property
+    def speedup(self) -> float:
+        """Predicted speed over AR's (one token per one-token forward and its bookkeeping)."""
+        return self.tokens_per_second * self.ar_seconds
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Every candidate's prediction, fastest first, and where the seconds came from."""
+
+    predictions: list[Prediction]
+    ar_seconds: float
+    from_disk: bool
+
+    def best(self, method: str) -> Prediction:
+        """The fastest candidate of ``method``."""
+        return next(p for p in self.predictions if p.candidate.method == method)
+
+    def settings(self, base: Settings, method: str) -> Settings:
+        """``base`` with ``method``'s fastest γ (and W)."""
+        return self.best(method).candidate.settings(base)
+
+
+def predict(rows: Sequence[Row], seconds: dict[Candidate, float], ar_seconds: float) -> list[Prediction]:
+    """Each row's prediction where its seconds were timed, fastest first."""
+    out = [
+        Prediction(r.candidate, r.block_efficiency, seconds[r.candidate], ar_seconds)
+        for r in rows
+        if r.candidate in seconds
+    ]
+    return sorted(out, key=lambda p: p.tokens_per_second, reverse=True)
+
+
+def table_for(pair: ModelPair, table: AcceptanceTable | None) -> AcceptanceTable:
+    """``table``, else the pair's shipped one; ValueError saying how to make one when there is none."""
+    table = table or shipped_table(pair.name)
+    if table is None:
+        raise ValueError(
+            f"no acceptance table for the pair {pair.name!r}: measure one with "
+            "python -m mtad.tuning measure --draft D --target T --prompts FILE --out TABLE.json, then pass "
+            "--acceptance TABLE.json"
+        )
+    return table
+
+
+def fastest(
+    pair: ModelPair,
+    base: Settings,
+    prompt_ids: list[int],
+    table: AcceptanceTable | None = None,
+    methods: Sequence[str] = METHODS,
+    refresh: bool = False,
+) -> Tuning:
+    """Time AR and every candidate of ``methods`` in the table under ``base``'s law on this machine (or read
+    the seconds it timed before) and rank them; ValueError when the table has no rows for that law."""
+    table = table_for(pair, table)
+    rows = table.rows(base)
+    if rows is None:
+        raise ValueError(
+            f"the {table.pair} acceptance table has no figures for {describe_law(law_of(base))}; it has "
+            f"{'; '.join(table.described_laws())}"
+        )
+    rows = [r for r in rows if r.method in methods]
+    law = describe_law(law_of(base))
+    runs = {f"{law} | ar": base.with_(method="ar")}
+    runs |= {f"{law} | {r.candidate.label}": r.candidate.settings(base) for r in rows}
+    seconds, from_disk = cached_iteration_seconds(pair, runs, prompt_ids, refresh=refresh)
+    ar = seconds.pop(f"{law} | ar")
+    by_candidate = {r.candidate: seconds[f"{law} | {r.candidate.label}"] for r in rows}
+    return Tuning(predict(rows, by_candidate, ar), ar, from_disk)
+
+
+def tuned(
+    pair: ModelPair, settings: Settings, prompt_ids: list[int], table: AcceptanceTable | None = None
+) -> tuple[Settings, Prediction | None]:
+    """``settings`` with its method's fastest γ (and W) on this machine, and that prediction; a method whose
+    draft settings are not chosen here (not SD or MTAD) comes back unchanged, with None."""
+    if settings.method not in METHODS:
+        return settings, None
+    best = fastest(pair, settings, prompt_ids, table=table, methods=(settings.method,)).best(settings.method)
+    return best.candidate.settings(settings), best

@@ -1,0 +1,190 @@
+"""A pair's acceptance table: tokens per target call of each candidate setting, measured on held-out prompts.
+
+Block efficiency depends on the draft, the target, the sampling law and the rule's settings, not on the
+machine (up to the dtype's rounding), so it is measured once per pair and law and named by the pair's preset (``acceptance =`` in
+``assets/pairs.toml``); the machine's part, an iteration's seconds, is timed at load.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+from mtad.bench.run import Case, run_bench
+from mtad.metrics import Metrics, pool
+from mtad.models.pair import ModelPair
+from mtad.prompts import Prompt
+from mtad.settings import Settings
+
+GAMMAS = (1, 2, 3, 4)
+"""Draft lengths a table measures: 1 up to the paper's 4 (a verification of up to 5 tokens, which the
+compiled engine's warm-up compiles anyway)."""
+BEAMS = (1, 2, 4, 8)
+"""MTAD's beam counts a table measures: from one beam up to the paper's 8."""
+METHODS = ("sd", "mtad")
+"""The decoders whose draft settings are chosen."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One setting to choose among: a method, its draft length and (MTAD) its beam count."""
+
+    method: str
+    gamma: int
+    beams: int | None = None
+
+    @property
+    def label(self) -> str:
+        """E.g. ``mtad γ=1 W=2``, as a bench row names it."""
+        return f"{self.method} γ={self.gamma}" + ("" if self.beams is None else f" W={self.beams}")
+
+    def settings(self, base: Settings) -> Settings:
+        """``base`` with this candidate's method, γ and W."""
+        beams = base.beams if self.beams is None else self.beams
+        return base.with_(method=self.method, gamma=self.gamma, beams=beams)
+
+
+def candidates(methods: Sequence[str] = METHODS) -> list[Candidate]:
+    """Every candidate a table measures for ``methods``: SD per γ, MTAD per γ and W."""
+    out = []
+    for method in methods:
+        for gamma in GAMMAS:
+            out += [Candidate(method, gamma, w) for w in BEAMS] if method == "mtad" else [Candidate(method, gamma)]
+    return out
+
+
+def law_of(settings: Settings) -> dict[str, object]:
+    """What a block efficiency depends on besides the pair and the candidate: greedy or the sampling warp,
+    MTAD's τ and its draft's search. Greedy needs no warp."""
+    warp = (
+        {}
+        if settings.is_greedy
+        else {"temperature": settings.temperature, "top_k": settings.top_k, "top_p": settings.top_p}
+    )
+    return {"greedy": settings.is_greedy, **warp, "tau": settings.tau, "draft_mode": settings.draft_mode}
+
+
+@dataclass
+class Row:
+    """One candidate's measured tokens per target call, with the counts behind it."""
+
+    method: str
+    gamma: int
+    beams: int | None
+    block_efficiency: float
+    new_tokens: int
+    target_calls: int
+
+    @property
+    def candidate(self) -> Candidate:
+        return Candidate(self.method, self.gamma, self.beams)
+
+
+@dataclass
+class AcceptanceTable:
+    """Block efficiency per candidate and law for one pair, and how it was measured."""
+
+    pair: str
+    prompts: str
+    max_new_tokens: int
+    seeds: list[int]
+    dtype: str
+    date: str
+    commit: str | None
+    laws: list[dict] = field(default_factory=list)
+    """Each ``{"law": law_of(...), "rows": [Row as a dict, ...]}``."""
+
+    def rows(self, settings: Settings) -> list[Row] | None:
+        """The rows measured under ``settings``' law, or None if the table has none for it."""
+        want = law_of(settings)
+        for entry in self.laws:
+            if entry["law"] == want:
+                return [Row(**r) for r in entry["rows"]]
+        return None
+
+    def described_laws(self) -> list[str]:
+        """Each law the table holds, in words (for the message when a law is missing)."""
+        return [describe_law(e["law"]) for e in self.laws]
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(self), indent=1, ensure_ascii=False) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> AcceptanceTable:
+        """The table in ``path``; ValueError naming the file when it cannot be read as one."""
+        try:
+            return cls(**json.loads(Path(path).read_text()))
+        except (OSError, ValueError, TypeError) as exc:
+            raise ValueError(f"cannot read the acceptance table {path}: {exc}") from None
+
+
+def describe_law(law: dict) -> str:
+    """``greedy, τ 0.1, beam`` or ``T 1, top-k 20, top-p 0.9, τ 0.1, beam``."""
+    head = "greedy" if law["greedy"] else f"T {law['temperature']:g}, top-k {law['top_k']}, top-p {law['top_p']:g}"
+    return f"{head}, τ {law['tau']:g}, {law['draft_mode']}"
+
+
+def table_path(pair_name: str) -> Path | None:
+    """Where a preset's table is (its ``acceptance`` in the presets file), or None."""
+    from mtad.models.presets import presets
+
+    preset = presets().get(pair_name)
+    return Path(preset.acceptance) if preset is not None and preset.acceptance else None
+
+
+def shipped_table(pair_name: str) -> AcceptanceTable | None:
+    """The table a preset names, or None when it names none."""
+    path = table_path(pair_name)
+    return AcceptanceTable.load(path) if path is not None else None
+
+
+def measure(
+    pair: ModelPair,
+    prompts: Sequence[Prompt],
+    encoded: Sequence[list[int]],
+    laws: Sequence[Settings],
+    seeds: Sequence[int],
+    methods: Sequence[str] = METHODS,
+    progress: bool = True,
+    commit: str | None = None,
+    prompts_name: str = "",
+) -> AcceptanceTable:
+    """Run every candidate under every law on ``prompts`` through the bench's runner and keep each one's
+    pooled block efficiency (new tokens over target calls, ``mtad.metrics.pool``)."""
+    table = AcceptanceTable(
+        pair=pair.name,
+        prompts=prompts_name,
+        max_new_tokens=laws[0].max_new_tokens,
+        seeds=list(seeds),
+        dtype=str(pair.dtype).replace("torch.", ""),
+        date=datetime.now(UTC).isoformat(timespec="seconds"),
+        commit=commit,
+    )
+    for law in laws:
+        cases = [Case(c.settings(law).validate()) for c in candidates(methods)]
+        result = run_bench(pair, cases, prompts, encoded, seeds, repeats=1, warmup=0, progress=progress)
+        if result.failures or result.interrupted:
+            raise RuntimeError(f"the acceptance table was not finished: {result.failures or 'interrupted'}")
+        rows = []
+        for case in cases:
+            runs = [Metrics.from_dict(r) for r in result.records if r["case"] == case.label]
+            pooled = pool(runs)
+            s = case.settings
+            rows.append(
+                asdict(
+                    Row(
+                        method=s.method,
+                        gamma=s.gamma,
+                        beams=s.beams if s.method == "mtad" else None,
+                        block_efficiency=round(pooled.block_efficiency, 4),
+                        new_tokens=pooled.new_tokens,
+                        target_calls=sum(m.target_calls for m in runs),
+                    )
+                )
+            )
+        table.laws.append({"law": law_of(law), "rows": rows})
+    return table
