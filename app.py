@@ -13,7 +13,7 @@ from pathlib import Path
 import gradio as gr
 
 from mtad.settings import PARAMS
-from mtad.ui import availability, form, line, link, outputs, panel, pickers, replay
+from mtad.ui import availability, fastest, form, line, link, outputs, panel, pickers, replay
 from mtad.ui import race as race_view
 from mtad.ui import run as runs
 from mtad.ui.explain import EXPLAIN, INTRO
@@ -82,6 +82,7 @@ def build() -> gr.Blocks:
                 with gr.Row():
                     gamma = setting("gamma", "gamma")
                     max_new = number(DEFAULTS.max_new_tokens, "max new tokens", MAX_NEW_RANGE, "max-new")
+                fastest_btn = gr.Button("Fastest γ and W on this device", size="sm", elem_id="fastest-btn")
                 with gr.Accordion("Other decoders (Spectr, SpecInfer, BiLD)", open=False):
                     num_drafts = setting("num_drafts", "num-drafts")
                     with gr.Row():
@@ -175,6 +176,9 @@ def build() -> gr.Blocks:
         shown.then(link.link_html, [record, v_lane, v_iter], v_link, **private)
         go.then(runs.race_after_run, record, race, **private)
         stop_btn.click(line.stop, [left, right], waiting_outputs, **private)
+        sampling = [pair, tau, greedy, temperature, top_k, top_p]
+        fastest_opts = dict(concurrency_limit=1, concurrency_id="device", api_visibility="private")
+        fastest_btn.click(fastest.fastest_page, sampling, [gamma, beams, message], **fastest_opts)
         replay_outputs = [message, status, *lanes, cards, tokens_plot, accept_plot]
         replay_btn.click(replay.replay_page, record, replay_outputs, api_visibility="private", show_progress="hidden")
         # the public API: the same work, ending in an error (with the page's words) when refused

@@ -625,3 +625,18 @@ def test_a_looping_lane_s_card_warns_next_to_its_perplexity(page, monkeypatch):
     assert card.locator(".card-loop-tag").inner_text() == "the text loops (see below)"
     card.scroll_into_view_if_needed()
     page.screenshot(path=str(OUT / "app_loop_warning.png"))
+
+
+def test_fastest_button_sets_gamma_and_beams_it_names(page):
+    page.locator("#fastest-btn").click()
+    page.wait_for_selector("#message .mtad-message-info", timeout=120_000)
+    text = page.locator("#message").inner_text()
+    chosen = re.search(r"MTAD with γ (\d+) and W (\d+) \(([\d.]+)× AR\)", text)
+    assert chosen, text
+    page.wait_for_function(
+        "([g, w]) => document.querySelector('#gamma input').value === g && document.querySelector('#beams input').value === w",
+        arg=[chosen[1], chosen[2]],
+        timeout=10_000,
+    )
+    page.locator("#message").scroll_into_view_if_needed()
+    page.screenshot(path=OUT / "fastest.png")

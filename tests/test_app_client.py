@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import html
 import importlib
 import math
 import os
@@ -20,6 +21,7 @@ from mtad.decoding import decode, encode_prompt  # noqa: E402
 from mtad.events import Step  # noqa: E402
 from mtad.metrics import summarize  # noqa: E402
 from mtad.settings import Settings  # noqa: E402
+from mtad.tuning import AcceptanceTable, candidates, law_of  # noqa: E402
 
 PAIR = "tiny"
 _SERVER: dict = {}
@@ -69,14 +71,15 @@ def launch_app(tiny_dirs: tuple[str, str], root: Path) -> dict:
     presets = root / "pairs.toml"
     presets.write_text(
         f'[pairs.{PAIR}]\ndescription = "tiny random test pair"\ndraft = "{draft}"\ntarget = "{target}"\n'
-        f'prompts = "prompts.jsonl"\n\n'
+        f'prompts = "prompts.jsonl"\nacceptance = "acceptance.json"\n\n'
         '[pairs.hubonly]\ndescription = "a pair that needs the Hub"\ndraft = "nobody/draft-x"\n'
         'target = "nobody/target-x"\n'
     )
     (root / "prompts.jsonl").write_text(
         '{"id": "a", "category": "letters", "prompt": "abc abc"}\nnot json\n{"id": "b", "prompt": "bad cafe"}\n'
     )
-    _SERVER["env"] = {"MTAD_PAIRS": str(presets), "MTAD_PAIR": PAIR}
+    tiny_acceptance_table().save(root / "acceptance.json")
+    _SERVER["env"] = {"MTAD_PAIRS": str(presets), "MTAD_PAIR": PAIR, "MTAD_CACHE": str(root / "cache")}
     with app_env():
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
         app = importlib.import_module("app")
@@ -84,6 +87,19 @@ def launch_app(tiny_dirs: tuple[str, str], root: Path) -> dict:
         app.main(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
     _SERVER.update(url=f"http://127.0.0.1:{port}/", app=app)
     return _SERVER
+
+
+def tiny_acceptance_table() -> AcceptanceTable:
+    """A made-up acceptance table for the tiny pair under the page's default law (the page's "Fastest" times
+    the candidates for real; only their tokens per target call are made up here)."""
+    rows = [
+        {"method": c.method, "gamma": c.gamma, "beams": c.beams, "new_tokens": 0, "target_calls": 0}
+        | {"block_efficiency": 1 + (0.5 if c.method == "mtad" else 0.3) * c.gamma}
+        for c in candidates()
+    ]
+    table = AcceptanceTable(PAIR, "made up", 16, [0], "float32", "2026-11-28", None)
+    table.laws.append({"law": law_of(Settings()), "rows": rows})
+    return table
 
 
 @contextlib.contextmanager
@@ -326,3 +342,23 @@ def test_stop_flag_ends_the_run_at_the_next_iteration(app_server, tiny_pair):
     assert rec.lanes["sd"].state == "stopped"
     assert 2 <= len(rec.lanes["sd"].steps) < 200
     assert rec.lanes["mtad"].state == "stopped" and not rec.lanes["mtad"].steps
+
+
+def test_fastest_sets_mtads_gamma_and_beams_or_says_why_not(app_server):
+    import gradio as gr
+
+    from mtad.tuning.table import BEAMS, GAMMAS
+    from mtad.ui.fastest import fastest_page
+
+    with app_env():
+        gamma, beams, message = fastest_page(PAIR, 0.1, False, 1.0, 20, 0.9)
+        assert "Fastest on this device" in message and f"MTAD with γ {gamma} and W {beams} (" in message
+        assert gamma in GAMMAS and beams in BEAMS and "× AR" in message
+        for form, why in [
+            ((PAIR, 0.1, True, 1.0, 20, 0.9), "no figures for greedy, τ 0.1, beam; it has T 1, top-k 20"),
+            ((PAIR, 1.5, False, 1.0, 20, 0.9), "τ (MTAD threshold) must be"),
+            (("nowhere", 0.1, False, 1.0, 20, 0.9), "model pair 'nowhere' is not offered here"),
+        ]:
+            gamma, beams, message = fastest_page(*form)
+            assert gamma == beams == gr.skip() and "refused" in message
+            assert why in html.unescape(message) and "No fastest settings" in message and "Not run" not in message

@@ -19,11 +19,12 @@ LIVE_TAIL = 60  # iterations a live lane draws; the whole lane is drawn once it 
 
 
 def message_html(text: str = "", kind: str = "error") -> str:
-    """The message area under Run: stays until the next Run (empty when there is nothing to say)."""
+    """The message area under Run: stays until the next Run (empty when there is nothing to say). ``error``: a
+    run that did not start; ``refused``: another request refused (the same look, no "Not run")."""
     if not text:
         return '<div class="mtad-message mtad-message-empty"></div>'
-    role = ' role="alert"' if kind == "error" else ""
-    title = {"error": "Not run: ", "stop": "", "info": ""}.get(kind, "")
+    role = ' role="alert"' if kind in ("error", "refused") else ""
+    title = {"error": "Not run: ", "refused": "", "stop": "", "info": ""}.get(kind, "")
     return f'<div class="mtad-message mtad-message-{escape(kind)}"{role}><b>{title}</b>{escape(text)}</div>'
 
 

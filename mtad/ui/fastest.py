@@ -1,0 +1,66 @@
+"""The page's "Fastest on this device": γ and W predicted fastest here (``mtad.tuning``), set in the form.
+
+The prediction times a few iterations of each candidate on the device (half a minute the first time on a
+2-core CPU, then read from disk), so it waits for the device like a run, and the waiting line shows it."""
+
+from __future__ import annotations
+
+import gradio as gr
+
+from mtad.decoding import encode_prompt
+from mtad.models.errors import PairError
+from mtad.models.presets import presets
+from mtad.tuning import TIMING_PROMPT, fastest
+from mtad.tuning.choose import Tuning
+from mtad.ui import availability
+from mtad.ui.inputs import DEFAULTS, parse_settings
+from mtad.ui.outputs import message_html
+from mtad.ui.runner import DEVICE_LOCK
+from mtad.ui.state import PAGE, session_of
+
+
+def fastest_page(
+    pair_name: object,
+    tau: object,
+    greedy: object,
+    temperature: object,
+    top_k: object,
+    top_p: object,
+    request: gr.Request | None = None,
+) -> tuple[object, object, str]:
+    """(γ, W, message): MTAD's fastest γ and W under the form's sampling and τ, with what was predicted for
+    MTAD and SD; γ and W unchanged and the reason in the message when there is no prediction to make."""
+    session = session_of(request)
+    PAGE.line.start(session)
+    try:
+        settings = parse_settings(
+            tau, DEFAULTS.beams, DEFAULTS.gamma, DEFAULTS.max_new_tokens, greedy, temperature, top_k, top_p, 0
+        )
+        if not isinstance(pair_name, str) or pair_name not in presets():
+            raise ValueError(f"model pair {str(pair_name)[:80]!r} is not offered here")
+        reason = availability.unavailable_reason(presets()[pair_name])
+        if reason:
+            raise ValueError(f"model pair {pair_name!r} cannot run on this server: it {reason}")
+        pair = PAGE.pairs.get(pair_name)
+        ids = encode_prompt(pair, TIMING_PROMPT, settings)
+        with DEVICE_LOCK:
+            tuning = fastest(pair, settings, ids)
+    except (PairError, ValueError) as exc:
+        return gr.skip(), gr.skip(), message_html(f"No fastest settings: {exc}", kind="refused")
+    finally:
+        PAGE.line.leave(session)
+    best = tuning.best("mtad").candidate
+    return best.gamma, best.beams, message_html(summary(tuning), kind="info")
+
+
+def summary(tuning: Tuning) -> str:
+    """What was predicted and set, in a sentence or two."""
+    mtad, sd = tuning.best("mtad"), tuning.best("sd")
+    text = (
+        f"Fastest on this device, predicted from its timings and the pair's measured tokens per target call: "
+        f"MTAD with γ {mtad.candidate.gamma} and W {mtad.candidate.beams} ({mtad.speedup:.2f}× AR), "
+        f"SD with γ {sd.candidate.gamma} ({sd.speedup:.2f}× AR). γ and W are set for MTAD"
+    )
+    if sd.candidate.gamma != mtad.candidate.gamma:
+        text += f"; SD's lane runs with the same γ (its own best is {sd.candidate.gamma})"
+    return text + ". Press Run to measure."
