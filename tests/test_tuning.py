@@ -191,3 +191,25 @@ def test_the_shipped_smollm2_table_covers_the_defaults_and_was_not_measured_on_t
     tuned_on = read_prompts(ROOT / table.prompts)
     assert tuned_on and not bench & {p.text for p in tuned_on}
     assert table.max_new_tokens == Settings().max_new_tokens
+
+
+def test_the_cli_measures_a_table_and_ranks_the_candidates_with_it(tiny_dirs, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MTAD_CACHE", str(tmp_path / "cache"))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in TEXTS))
+    pair = ["--draft", tiny_dirs[0], "--target", tiny_dirs[1], "--device", "cpu", "--engine", "eager"]
+    table = tmp_path / "t.json"
+    measure_argv = ["measure", *pair, "--prompts", str(prompts), "--max-new-tokens", "8", "--no-progress"]
+    assert tuning_main(measure_argv) == 2  # a pair given by paths names no table: where to write it?
+    assert "say where to write it with --out" in capsys.readouterr().err
+    assert tuning_main([*measure_argv, "--greedy-too", "--out", str(table)]) == 0
+    laws = AcceptanceTable.load(table).laws
+    assert [e["law"]["greedy"] for e in laws] == [False, True] and len(laws[0]["rows"]) == len(candidates())
+    capsys.readouterr()
+    assert tuning_main(["show", *pair, "--acceptance", str(table)]) == 0
+    out = capsys.readouterr().out
+    assert "torch threads, float32, eager engine (timed now)" in out
+    assert all(f"\n{c.label} " in out for c in candidates())
+    assert "fastest mtad: mtad γ=" in out and "fastest sd: sd γ=" in out
+    assert tuning_main(["show", *pair, "--acceptance", str(table), "--top-k", "5"]) == 2
+    assert "has no figures for T 1, top-k 5" in capsys.readouterr().err

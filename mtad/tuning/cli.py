@@ -56,9 +56,14 @@ def run_show(args: argparse.Namespace) -> int:
 
 def render(tuning, pair) -> str:  # noqa: ANN001
     """The ranking as a table, and each method's fastest."""
-    from mtad.tuning.timing import device_model
+    import torch
 
-    where = f"{device_model(pair.device)}, {str(pair.dtype).replace('torch.', '')}, {pair.engine} engine"
+    from mtad.tuning.timing import device_model, machine_key
+
+    capped = ", ".join(f"{k}={v}" for k, v in machine_key(pair)["emulation"].items())
+    threads = f", {torch.get_num_threads()} torch threads" if pair.device.type == "cpu" else ""
+    where = f"{device_model(pair.device)}{f' ({capped})' if capped else ''}{threads}, "
+    where += f"{str(pair.dtype).replace('torch.', '')}, {pair.engine} engine"
     lines = [
         f"predicted on {where} ({'seconds timed before, from disk' if tuning.from_disk else 'timed now'}); "
         f"AR: {1000 * tuning.ar_seconds:.1f} ms a token",
