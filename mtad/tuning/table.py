@@ -1,8 +1,9 @@
 """A pair's acceptance table: tokens per target call of each candidate setting, measured on held-out prompts.
 
 Block efficiency depends on the draft, the target, the sampling law and the rule's settings, not on the
-machine (up to the dtype's rounding), so it is measured once per pair and law and named by the pair's preset (``acceptance =`` in
-``assets/pairs.toml``); the machine's part, an iteration's seconds, is timed at load.
+machine (up to the dtype's rounding), so it is measured once per pair and law, and the pair's preset names
+the file (``acceptance =`` in ``assets/pairs.toml``); the machine's part, an iteration's seconds, is timed
+where the pair runs.
 """
 
 from __future__ import annotations

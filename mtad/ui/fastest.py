@@ -30,8 +30,8 @@ def fastest_page(
 ) -> tuple[object, object, str]:
     """(γ, W, message): MTAD's fastest γ and W under the form's sampling and τ, with what was predicted for
     MTAD and SD; γ and W unchanged and the reason in the message when there is no prediction to make."""
-    session = session_of(request)
-    PAGE.line.start(session)
+    holder = f"{session_of(request)}:fastest"  # the line's clock of the device's current job, apart from any run
+    PAGE.line.start(holder)  # the session may have queued a run too
     try:
         settings = parse_settings(
             tau, DEFAULTS.beams, DEFAULTS.gamma, DEFAULTS.max_new_tokens, greedy, temperature, top_k, top_p, 0
@@ -48,7 +48,7 @@ def fastest_page(
     except (PairError, ValueError) as exc:
         return gr.skip(), gr.skip(), message_html(f"No fastest settings: {exc}", kind="refused")
     finally:
-        PAGE.line.leave(session)
+        PAGE.line.leave(holder)
     best = tuning.best("mtad").candidate
     return best.gamma, best.beams, message_html(summary(tuning), kind="info")
 
