@@ -344,10 +344,11 @@ def test_stop_flag_ends_the_run_at_the_next_iteration(app_server, tiny_pair):
     assert rec.lanes["mtad"].state == "stopped" and not rec.lanes["mtad"].steps
 
 
-def test_fastest_sets_mtads_gamma_and_beams_or_says_why_not(app_server):
+def test_fastest_sets_mtads_gamma_and_beams_or_says_why_not(app_server, monkeypatch):
     import gradio as gr
 
     from mtad.tuning.table import BEAMS, GAMMAS
+    from mtad.ui import fastest
     from mtad.ui.fastest import fastest_page
 
     with app_env():
@@ -362,3 +363,6 @@ def test_fastest_sets_mtads_gamma_and_beams_or_says_why_not(app_server):
             gamma, beams, message = fastest_page(*form)
             assert gamma == beams == gr.skip() and "refused" in message
             assert why in html.unescape(message) and "No fastest settings" in message and "Not run" not in message
+        monkeypatch.setattr(fastest, "fastest", lambda *a, **k: 1 / 0)  # whatever the timing raises
+        gamma, beams, message = fastest_page(PAIR, 0.1, False, 1.0, 20, 0.9)
+        assert gamma == gr.skip() and "No fastest settings: timing failed (ZeroDivisionError)" in message

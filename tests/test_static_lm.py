@@ -380,6 +380,25 @@ def test_the_page_s_pairs_load_compiled_and_warm(monkeypatch: pytest.MonkeyPatch
             assert len(run.new_ids) > 0
 
 
+def test_a_pair_that_fails_to_compile_serves_on_the_eager_engine(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    """A compiler failing at the page's warm-up (seen: a truncated library in inductor's on-disk cache) leaves
+    the pair on the eager engine, with a warning, instead of failing every visitor's run."""
+    from mtad.ui import runner
+
+    def broken(pair, tokens):  # noqa: ANN001, ANN202
+        raise ImportError("/tmp/torchinductor_root/x.main.so: file too short")
+
+    monkeypatch.setenv("MTAD_ENGINE", "compiled")
+    monkeypatch.setattr(runner, "warm_up_pair", broken)
+    with caplog.at_level("WARNING", logger=runner.log.name):
+        pair = runner.PairCache(1).get("embedded")
+    assert pair.engine == "eager"
+    assert (
+        "compiling embedded failed (ImportError: ['/tmp/torchinductor_root/x.main.so: file too short'])" in caplog.text
+    )
+    assert generate(pair, "abc def", Settings(max_new_tokens=8)).new_ids
+
+
 @pytest.mark.parametrize("kernel", ["mkl", "onednn"])
 def test_both_product_layouts_compiled_equal_a_full_recompute(tiny_pair, kernel: str) -> None:
     """Plain matrices (seven products a layer) and oneDNN-packed ones (q, k, v fused, gate and up fused),

@@ -5,6 +5,8 @@ The prediction times a few iterations of each candidate on the device (half a mi
 
 from __future__ import annotations
 
+import logging
+
 import gradio as gr
 
 from mtad.decoding import encode_prompt
@@ -15,8 +17,10 @@ from mtad.tuning.choose import Tuning
 from mtad.ui import availability
 from mtad.ui.inputs import DEFAULTS, parse_settings
 from mtad.ui.outputs import message_html
-from mtad.ui.runner import DEVICE_LOCK
+from mtad.ui.runner import DEVICE_LOCK, free_device_memory
 from mtad.ui.state import PAGE, session_of
+
+log = logging.getLogger(__name__)
 
 
 def fastest_page(
@@ -47,6 +51,14 @@ def fastest_page(
             tuning = fastest(pair, settings, ids)
     except (PairError, ValueError) as exc:
         return gr.skip(), gr.skip(), message_html(f"No fastest settings: {exc}", kind="refused")
+    except Exception as exc:  # noqa: BLE001 - out of memory, a compiler failing: a message, and the page goes on
+        log.exception("timing the candidates failed")
+        free_device_memory()
+        return (
+            gr.skip(),
+            gr.skip(),
+            message_html(f"No fastest settings: timing failed ({type(exc).__name__})", "refused"),
+        )
     finally:
         PAGE.line.leave(holder)
     best = tuning.best("mtad").candidate

@@ -63,9 +63,8 @@ class PairCache:
                 pair = None
                 try:
                     pair = load_pair(name)
-                    if pair.engine == "compiled":  # every shape the page can ask for, before any visitor
-                        seconds = warm_up_pair(pair, int(PARAMS["gamma"].widget_range[1]) + 1)
-                        log.info("compiled the models of %s in %.0f s", name, seconds)
+                    if pair.engine == "compiled":
+                        pair = warmed_or_eager(pair, name)
                 except torch.cuda.OutOfMemoryError:
                     pass  # released below: the traceback holds the half-loaded model until the handler ends
                 if pair is None:
@@ -87,6 +86,24 @@ class PairCache:
         thread = threading.Thread(target=load, daemon=True, name=f"mtad-preload-{name}")
         thread.start()
         return thread
+
+
+def warmed_or_eager(pair: ModelPair, name: str) -> ModelPair:
+    """``pair`` with every shape the page can ask for compiled before any visitor; where compiling fails (a
+    compiler or its on-disk cache broken on this machine), the pair again on the eager engine, with a warning
+    in the log, so that the page keeps serving (slower, and its status line says "eager")."""
+    try:
+        seconds = warm_up_pair(pair, int(PARAMS["gamma"].widget_range[1]) + 1)
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever the compiler raises, the page must go on
+        lines = [line for line in str(exc).splitlines() if line.strip()]
+        log.warning("compiling %s failed (%s: %s); it runs on the eager engine", name, type(exc).__name__, lines[-1:])
+        del pair
+        gc.collect()
+        return load_pair(name, engine="eager")
+    log.info("compiled the models of %s in %.0f s", name, seconds)
+    return pair
 
 
 def free_device_memory() -> None:
