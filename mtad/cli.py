@@ -57,7 +57,7 @@ def add_tuning_args(p: argparse.ArgumentParser) -> None:
         "--tuned",
         action="store_true",
         help="sd and mtad: the draft length (and MTAD's beams) predicted fastest on this machine, instead of "
-        "--gamma and --beams (python -m mtad.tuning show; the first time, about half a minute of timing)",
+        "--gamma and --beams (python -m mtad.tuning show; the first time on a machine, every candidate is timed)",
     )
     p.add_argument(
         "--acceptance", type=Path, help="with --tuned: the pair's acceptance table (default: the one its preset names)"

@@ -1,7 +1,7 @@
 """The page's "Fastest on this device": γ and W predicted fastest here (``mtad.tuning``), set in the form.
 
-The prediction times a few iterations of each candidate on the device (half a minute the first time on a
-2-core CPU, then read from disk), so it waits for the device like a run, and the waiting line shows it."""
+The prediction times a few iterations of each candidate on the device (the first time on a machine; later
+the seconds are read from disk), so it waits for the device like a run, and the waiting line shows it."""
 
 from __future__ import annotations
 
