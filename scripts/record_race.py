@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import platform
 import sys
 import threading
 from pathlib import Path
@@ -21,23 +20,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from mtad.decoding import encode_prompt  # noqa: E402
+from mtad.models.devices import device_model  # noqa: E402
 from mtad.models.presets import presets  # noqa: E402
 from mtad.ui.inputs import DEFAULTS, example_prompts  # noqa: E402
 from mtad.ui.race import RACE_FILE, curves_of  # noqa: E402
 from mtad.ui.record import LaneRecord, RunRecord  # noqa: E402
 from mtad.ui.runner import run_lanes  # noqa: E402
 from mtad.ui.state import PAGE  # noqa: E402
-
-
-def cpu_name() -> str:
-    """The CPU's model name from /proc/cpuinfo (else the platform's word for it)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main() -> None:
@@ -58,7 +47,7 @@ def main() -> None:
     device = (
         torch.cuda.get_device_name(pair.device)
         if pair.device.type == "cuda"
-        else f"{cpu_name()}, {threads} thread{'s' if threads != 1 else ''}"
+        else f"{device_model(torch.device('cpu'))}, {threads} thread{'s' if threads != 1 else ''}"
     )
     data = {
         "pair": args.pair,

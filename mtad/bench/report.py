@@ -24,6 +24,7 @@ from mtad.decoding.spec import registry, spec_of
 from mtad.decoding.static_lm import products
 from mtad.events import json_safe
 from mtad.metrics import LOOP_REPETITION, REPEAT_N
+from mtad.models.devices import capped_isa
 from mtad.models.pair import ModelPair
 
 
@@ -223,11 +224,7 @@ def cpu_flags() -> list[str]:
     except OSError:
         flags = set()
     wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "amx_int8")
-    emulated = [
-        f"{v}={os.environ[v]}"
-        for v in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
-        if v in os.environ
-    ]
+    emulated = [f"{v}={value}" for v, value in capped_isa().items()]
     return [f for f in wanted if f in flags] + [f"aten:{torch.backends.cpu.get_cpu_capability()}"] + emulated
 
 

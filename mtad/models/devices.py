@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import platform
 from pathlib import Path
 
 import torch
@@ -68,6 +70,26 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
         return set(cpuinfo.read_text().split())
     except OSError:
         return set()
+
+
+CAPPED_ISA = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+"""Variables that cap a CPU's instruction sets (how an AVX2-only CPU is emulated on a newer one)."""
+
+
+def capped_isa() -> dict[str, str]:
+    """The instruction-set caps this process runs under, by variable (empty when none is set)."""
+    return {v: os.environ[v] for v in CAPPED_ISA if v in os.environ}
+
+
+def device_model(dev: torch.device) -> str:
+    """The GPU's name, or the CPU's model name from /proc/cpuinfo (else the platform's word for it)."""
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
 
 
 def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:

@@ -58,9 +58,9 @@ def render(tuning, pair) -> str:  # noqa: ANN001
     """The ranking as a table, and each method's fastest."""
     import torch
 
-    from mtad.tuning.timing import device_model, machine_key
+    from mtad.models.devices import capped_isa, device_model
 
-    capped = ", ".join(f"{k}={v}" for k, v in machine_key(pair)["emulation"].items())
+    capped = ", ".join(f"{k}={v}" for k, v in capped_isa().items())
     threads = f", {torch.get_num_threads()} torch threads" if pair.device.type == "cpu" else ""
     where = f"{device_model(pair.device)}{f' ({capped})' if capped else ''}{threads}, "
     where += f"{str(pair.dtype).replace('torch.', '')}, {pair.engine} engine"

@@ -11,8 +11,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
-import platform
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -20,6 +18,7 @@ from pathlib import Path
 import torch
 
 from mtad.decoding import decode
+from mtad.models.devices import capped_isa, device_model
 from mtad.models.gguf_cache import cache_root
 from mtad.models.pair import ModelPair
 from mtad.settings import Settings
@@ -27,21 +26,6 @@ from mtad.settings import Settings
 TIMING_PROMPT = "Explain how a refrigerator keeps food cold, step by step."
 """What the iterations are timed on: any text the target answers at length will do (the seconds hardly
 depend on it)."""
-
-
-EMULATION = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
-"""Variables that cap a CPU's instruction sets (how an AVX2-only CPU is emulated): they change the cost."""
-
-
-def device_model(dev: torch.device) -> str:
-    """The GPU's name, or the CPU's model name from /proc/cpuinfo (else the platform's word for it)."""
-    if dev.type == "cuda":
-        return torch.cuda.get_device_name(dev)
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def machine_key(pair: ModelPair) -> dict[str, object]:
@@ -53,7 +37,7 @@ def machine_key(pair: ModelPair) -> dict[str, object]:
         "draft": str(getattr(pair.draft, "name_or_path", "")),
         "target": str(getattr(pair.target, "name_or_path", "")),
         "device": device_model(pair.device),
-        "emulation": {v: os.environ[v] for v in EMULATION if v in os.environ},
+        "emulation": capped_isa(),
         "dtype": str(pair.dtype).replace("torch.", ""),
         "engine": pair.engine,
         "kernels": dict(pair.kernels),
