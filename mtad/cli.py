@@ -201,13 +201,11 @@ def main(argv: list[str] | None = None) -> int:
 def tuned_settings(pair, settings: Settings, table: Path | None = None) -> Settings:  # noqa: ANN001
     """``settings`` with the draft settings predicted fastest here (``mtad.tuning``), said on stderr; ValueError
     for a method whose draft settings are not chosen."""
-    from mtad.decoding import encode_prompt
-    from mtad.tuning import METHODS, TIMING_PROMPT, AcceptanceTable, tuned
+    from mtad.tuning import METHODS, AcceptanceTable, tuned
 
     if settings.method not in METHODS:
         raise ValueError(f"--tuned chooses the draft settings of {' and '.join(METHODS)}, not of {settings.method}")
-    ids = encode_prompt(pair, TIMING_PROMPT, settings)
-    settings, best = tuned(pair, settings, ids, AcceptanceTable.load(table) if table else None)
+    settings, best = tuned(pair, settings, AcceptanceTable.load(table) if table else None)
     label = best.candidate.label
     print(f"tuned: {label} (predicted {best.speedup:.2f}× AR on this machine)", file=sys.stderr)
     return settings

@@ -169,17 +169,17 @@ def runnable(cases: list[Case], pair: ModelPair, explicit: bool) -> list[Case]:
 def tune_cases(pair: ModelPair, cases: list[Case], table: Path | None) -> tuple[list[Case], dict[str, dict]]:
     """SD's and MTAD's cases with the draft settings predicted fastest here (``mtad.tuning.tuned``), one row
     each where sweeps of γ or W collapse to the same choice, and each choice's prediction; prints the choices."""
-    from mtad.tuning import TIMING_PROMPT, AcceptanceTable, tuned
+    from mtad.tuning import AcceptanceTable, tuned
 
     acceptance = AcceptanceTable.load(table) if table else None
-    ids = encode_prompt(pair, TIMING_PROMPT, cases[0].settings.with_(gamma=max(c.settings.gamma for c in cases)))
     out: list[Case] = []
     chosen: dict[str, dict] = {}
     for case in cases:
-        settings, best = tuned(pair, case.settings, ids, acceptance)
+        settings, best = tuned(pair, case.settings, acceptance)
         new = Case(settings)
-        if new not in out:
-            out.append(new)
+        if new in out:
+            continue
+        out.append(new)
         if best is not None:
             chosen[new.label] = {"predicted_speedup": round(best.speedup, 3), "block_efficiency": best.block_efficiency}
             print(f"tuned: {new.label} (predicted {best.speedup:.2f}× AR)", file=sys.stderr)

@@ -6,10 +6,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from mtad.decoding import encode_prompt
 from mtad.models.pair import ModelPair
 from mtad.settings import Settings
-from mtad.tuning.table import METHODS, AcceptanceTable, Candidate, Row, describe_law, law_of, shipped_table
-from mtad.tuning.timing import cached_iteration_seconds
+from mtad.tuning.table import GAMMAS, METHODS, AcceptanceTable, Candidate, Row, describe_law, law_of, shipped_table
+from mtad.tuning.timing import TIMING_PROMPT, cached_iteration_seconds
 
 
 @dataclass(frozen=True)
@@ -74,13 +75,14 @@ def table_for(pair: ModelPair, table: AcceptanceTable | None) -> AcceptanceTable
 def fastest(
     pair: ModelPair,
     base: Settings,
-    prompt_ids: list[int],
+    prompt_ids: list[int] | None = None,
     table: AcceptanceTable | None = None,
     methods: Sequence[str] = METHODS,
     refresh: bool = False,
 ) -> Tuning:
     """Time AR and every candidate of ``methods`` in the table under ``base``'s law on this machine (or read
-    the seconds it timed before) and rank them; ValueError when the table has no rows for that law."""
+    the seconds it timed before) and rank them, timed after ``prompt_ids`` (default: :data:`TIMING_PROMPT`);
+    ValueError when the table has no rows for that law."""
     table = table_for(pair, table)
     rows = table.rows(base)
     if rows is None:
@@ -92,6 +94,8 @@ def fastest(
     law = describe_law(law_of(base))
     runs = {f"{law} | ar": base.with_(method="ar")}
     runs |= {f"{law} | {r.candidate.label}": r.candidate.settings(base) for r in rows}
+    if prompt_ids is None:
+        prompt_ids = encode_prompt(pair, TIMING_PROMPT, base.with_(gamma=max(GAMMAS)))
     seconds, from_disk = cached_iteration_seconds(pair, runs, prompt_ids, refresh=refresh)
     ar = seconds.pop(f"{law} | ar")
     by_candidate = {r.candidate: seconds[f"{law} | {r.candidate.label}"] for r in rows}
@@ -99,11 +103,11 @@ def fastest(
 
 
 def tuned(
-    pair: ModelPair, settings: Settings, prompt_ids: list[int], table: AcceptanceTable | None = None
+    pair: ModelPair, settings: Settings, table: AcceptanceTable | None = None
 ) -> tuple[Settings, Prediction | None]:
     """``settings`` with its method's fastest γ (and W) on this machine, and that prediction; a method whose
     draft settings are not chosen here (not SD or MTAD) comes back unchanged, with None."""
     if settings.method not in METHODS:
         return settings, None
-    best = fastest(pair, settings, prompt_ids, table=table, methods=(settings.method,)).best(settings.method)
-    return best.candidate.settings(settings), best
+    tuning = fastest(pair, settings, table=table, methods=(settings.method,))
+    return tuning.settings(settings, settings.method), tuning.best(settings.method)

@@ -10,7 +10,6 @@ from pathlib import Path
 
 from mtad.cli import add_pair_args, add_sampling_args, load_pair_from_args, sampling_settings
 from mtad.settings import Settings
-from mtad.tuning.timing import TIMING_PROMPT
 
 
 def parser() -> argparse.ArgumentParser:
@@ -38,7 +37,6 @@ def base_settings(args: argparse.Namespace) -> Settings:
 
 
 def run_show(args: argparse.Namespace) -> int:
-    from mtad.decoding import encode_prompt
     from mtad.decoding.static_lm import warm_up_pair
     from mtad.tuning.choose import fastest
     from mtad.tuning.table import GAMMAS, AcceptanceTable
@@ -48,8 +46,7 @@ def run_show(args: argparse.Namespace) -> int:
     pair = load_pair_from_args(args)
     if pair.engine == "compiled":
         warm_up_pair(pair, max(GAMMAS) + 1)
-    ids = encode_prompt(pair, TIMING_PROMPT, base)
-    tuning = fastest(pair, base, ids, table=table, refresh=args.refresh)
+    tuning = fastest(pair, base, table=table, refresh=args.refresh)
     print(render(tuning, pair))
     return 0
 

@@ -9,14 +9,12 @@ import logging
 
 import gradio as gr
 
-from mtad.decoding import encode_prompt
 from mtad.models.errors import PairError
-from mtad.models.presets import presets
-from mtad.tuning import TIMING_PROMPT, fastest
+from mtad.tuning import fastest
 from mtad.tuning.choose import Tuning
-from mtad.ui import availability
 from mtad.ui.inputs import DEFAULTS, parse_settings
 from mtad.ui.outputs import message_html
+from mtad.ui.run import check_pair
 from mtad.ui.runner import DEVICE_LOCK, free_device_memory
 from mtad.ui.state import PAGE, session_of
 
@@ -40,15 +38,10 @@ def fastest_page(
         settings = parse_settings(
             tau, DEFAULTS.beams, DEFAULTS.gamma, DEFAULTS.max_new_tokens, greedy, temperature, top_k, top_p, 0
         )
-        if not isinstance(pair_name, str) or pair_name not in presets():
-            raise ValueError(f"model pair {str(pair_name)[:80]!r} is not offered here")
-        reason = availability.unavailable_reason(presets()[pair_name])
-        if reason:
-            raise ValueError(f"model pair {pair_name!r} cannot run on this server: it {reason}")
+        check_pair(pair_name)
         pair = PAGE.pairs.get(pair_name)
-        ids = encode_prompt(pair, TIMING_PROMPT, settings)
         with DEVICE_LOCK:
-            tuning = fastest(pair, settings, ids)
+            tuning = fastest(pair, settings)
     except (PairError, ValueError) as exc:
         return gr.skip(), gr.skip(), message_html(f"No fastest settings: {exc}", kind="refused")
     except Exception as exc:  # noqa: BLE001 - out of memory, a compiler failing: a message, and the page goes on

@@ -65,18 +65,24 @@ def check_run(
     decoders to race; ValueError naming the field."""
     if not isinstance(prompt, str) or not prompt.strip():
         raise ValueError(EMPTY_PROMPT)
-    table = presets()
-    if not isinstance(pair_name, str) or pair_name not in table:
-        raise ValueError(f"model pair {str(pair_name)[:80]!r} is not offered here; pick one of: {', '.join(table)}")
-    reason = availability.unavailable_reason(table[pair_name])
-    if reason:
-        raise ValueError(f"model pair {pair_name!r} cannot run on this server: it {reason}; pick another pair")
+    check_pair(pair_name)
     as_bool("AR baseline lane", with_ar)
     chosen = pick_racers(left, right)
     settings = parse_settings(**values)
     for method in chosen:  # a method's own range (its spec) may be narrower than the page's
         settings.with_(method=method).validate()
     return settings, chosen
+
+
+def check_pair(pair_name: object) -> None:
+    """ValueError unless ``pair_name`` is a preset this server offers and can run (the page never loads
+    anything else)."""
+    table = presets()
+    if not isinstance(pair_name, str) or pair_name not in table:
+        raise ValueError(f"model pair {str(pair_name)[:80]!r} is not offered here; pick one of: {', '.join(table)}")
+    reason = availability.unavailable_reason(table[pair_name])
+    if reason:
+        raise ValueError(f"model pair {pair_name!r} cannot run on this server: it {reason}; pick another pair")
 
 
 def run(
