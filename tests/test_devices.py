@@ -108,6 +108,16 @@ def test_cpu_bf16_from_cpuinfo_where_torch_cannot_say(
     assert cpu_has_native_bf16(tmp_path / "missing") is False
 
 
+def test_cpuinfo_flags_are_spelled_as_pytorch_spells_them(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    from mtad.models.devices import cpu_flags
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("flags : fpu avx2 fma avx512f avx512_bf16\n")
+    monkeypatch.delattr(torch.cpu, "get_capabilities")
+    assert {"avx2", "fma3", "avx512_f", "avx512_bf16"} <= cpu_flags(info)
+    assert "avx512f" not in cpu_flags(info)
+
+
 def test_dtype_precedence_flag_then_operator_then_preset_then_hardware(
     monkeypatch: pytest.MonkeyPatch, cpu_caps
 ) -> None:

@@ -24,7 +24,8 @@ from mtad.decoding.spec import registry, spec_of
 from mtad.decoding.static_lm import products
 from mtad.events import json_safe
 from mtad.metrics import LOOP_REPETITION, REPEAT_N
-from mtad.models.devices import capped_isa
+from mtad.models import devices
+from mtad.models.devices import capped_isa, device_model
 from mtad.models.pair import ModelPair
 
 
@@ -182,13 +183,12 @@ def environment(
     """Where and how the figures were measured: date, device, versions, the exact command, and the commit
     the code was loaded from (read before the run: a long run may outlive it)."""
     dev = pair.device
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else (platform.processor() or platform.machine())
     draft_params, target_params = pair.parameters()
     return {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": "python -m mtad.bench " + shlex.join(argv),
         "device": str(dev),
-        "device_name": name,
+        "device_name": device_model(dev),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "dtype": str(pair.dtype).replace("torch.", ""),
@@ -219,11 +219,8 @@ def cpu_flags() -> list[str]:
     """The CPU's vector and matrix extensions that decide which kernels are fast (AVX2, AVX-512, AMX),
     as the CPU reports them, the capability PyTorch's own kernels were dispatched to, and the variables
     that cap the instruction sets (how an AVX2-only CPU is emulated on a newer one)."""
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        flags = set()
-    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "amx_int8")
+    flags = devices.cpu_flags()
+    wanted = ("avx2", "avx512_f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "amx_int8")
     emulated = [f"{v}={value}" for v, value in capped_isa().items()]
     return [f for f in wanted if f in flags] + [f"aten:{torch.backends.cpu.get_cpu_capability()}"] + emulated
 

@@ -61,15 +61,21 @@ def configure_cpu_threads() -> int:
 
 
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
-    """The CPU's instruction-set flags, lower case (``avx512_bf16``, ``amx_bf16``, …): PyTorch's own
-    reading where it has one, else ``/proc/cpuinfo``'s (empty where neither says)."""
+    """The CPU's instruction-set flags, lower case, in PyTorch's spelling (``avx512_f``, ``avx512_bf16``,
+    ``amx_bf16``, …): PyTorch's own reading where it has one, else ``/proc/cpuinfo``'s (empty where neither
+    says)."""
     caps = getattr(torch.cpu, "get_capabilities", None)
     if caps is not None:
         return {name for name, present in caps().items() if present is True}
     try:
-        return set(cpuinfo.read_text().split())
+        flags = set(cpuinfo.read_text().split())
     except OSError:
         return set()
+    return {CPUINFO_SPELLING.get(f, f) for f in flags}
+
+
+CPUINFO_SPELLING = {"avx512f": "avx512_f", "fma": "fma3"}
+"""``/proc/cpuinfo``'s names that PyTorch spells otherwise."""
 
 
 CAPPED_ISA = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
