@@ -28,6 +28,9 @@ def parser() -> argparse.ArgumentParser:
     measure.add_argument("--seeds", default="0", help="comma list of seeds")
     measure.add_argument("--greedy-too", action="store_true", help="also measure greedy decoding's table")
     measure.add_argument("--out", type=Path, help="where to write the table (default: the file the preset names)")
+    measure.add_argument(
+        "--extend", action="store_true", help="pool these seeds into the table already at --out (or the preset's)"
+    )
     measure.add_argument("--no-progress", action="store_true")
     return ap
 
@@ -86,7 +89,7 @@ def run_measure(args: argparse.Namespace) -> int:
     from mtad.decoding.static_lm import warm_up_pair
     from mtad.models.presets import default_pair_name
     from mtad.prompts import read_prompts
-    from mtad.tuning.table import GAMMAS, measure, table_path
+    from mtad.tuning.table import GAMMAS, AcceptanceTable, measure, table_path
 
     base = base_settings(args)
     laws = [base] + ([base.with_(greedy=True)] if args.greedy_too and not base.is_greedy else [])
@@ -96,6 +99,11 @@ def run_measure(args: argparse.Namespace) -> int:
     out = args.out or (None if args.draft else table_path(args.pair or default_pair_name()))
     if out is None:
         raise ValueError("this pair's preset names no acceptance table: say where to write it with --out")
+    earlier = AcceptanceTable.load(out) if args.extend else None  # refused seeds: before, not after, measuring
+    if earlier is not None and earlier.seeds and set(seeds) & set(earlier.seeds):
+        raise ValueError(
+            f"{out} already holds seed(s) {sorted(set(seeds) & set(earlier.seeds))}: extend with new seeds"
+        )
     pair = load_pair_from_args(args)
     encoded = [encode_prompt(pair, p.text, base.with_(gamma=max(GAMMAS))) for p in prompts]
     if pair.engine == "compiled":
@@ -110,8 +118,10 @@ def run_measure(args: argparse.Namespace) -> int:
         commit=git_commit(),
         prompts_name=args.prompts,
     )
+    if earlier is not None:
+        table = earlier.merged(table)
     table.save(out)
-    print(f"wrote {out}")
+    print(f"wrote {out} (seeds {', '.join(map(str, table.seeds))})")
     return 0
 
 

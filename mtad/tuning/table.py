@@ -12,6 +12,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
+from operator import itemgetter
 from pathlib import Path
 
 from mtad.bench.run import Case, run_bench
@@ -97,6 +98,8 @@ class AcceptanceTable:
     commit: str | None
     laws: list[dict] = field(default_factory=list)
     """Each ``{"law": law_of(...), "rows": [Row as a dict, ...]}``."""
+    prompt_ids: list[str] = field(default_factory=list)
+    """The ids of the prompts measured, in order (a file's first N when measured with a limit)."""
 
     def rows(self, settings: Settings) -> list[Row] | None:
         """The rows measured under ``settings``' law, or None if the table has none for it."""
@@ -110,7 +113,42 @@ class AcceptanceTable:
         """Each law the table holds, in words (for the message when a law is missing)."""
         return [describe_law(e["law"]) for e in self.laws]
 
-    def save(self, path: Path) -> None:
+    def merged(self, other: AcceptanceTable) -> AcceptanceTable:
+        """This table and ``other``, measured the same way on other seeds, pooled: each row's tokens and
+        target calls summed (so its block efficiency is that of all the runs), laws matched by value.
+        ValueError naming what differs, so that a table never pools figures of two experiments."""
+        for name in ("pair", "prompts", "prompt_ids", "max_new_tokens", "dtype"):
+            if getattr(self, name) != getattr(other, name):
+                raise ValueError(
+                    f"cannot pool tables of different {name}: {getattr(self, name)!r}, {getattr(other, name)!r}"
+                )
+        if shared := sorted(set(self.seeds) & set(other.seeds)):
+            raise ValueError(f"both tables hold seed(s) {shared}: pool only new seeds")
+        theirs = {json.dumps(e["law"], sort_keys=True): e["rows"] for e in other.laws}
+        laws = []
+        for entry in self.laws:
+            rows = theirs.pop(json.dumps(entry["law"], sort_keys=True), None)
+            if rows is None:
+                raise ValueError(f"the other table has no figures for {describe_law(entry['law'])}")
+            laws.append({"law": entry["law"], "rows": pooled_rows(entry["rows"], rows)})
+        if theirs:
+            raise ValueError(
+                f"the other table has laws this one lacks: {', '.join(describe_law(json.loads(k)) for k in theirs)}"
+            )
+        return AcceptanceTable(
+            pair=self.pair,
+            prompts=self.prompts,
+            max_new_tokens=self.max_new_tokens,
+            seeds=sorted(self.seeds + other.seeds),
+            dtype=self.dtype,
+            date=max(self.date, other.date),
+            commit=other.commit or self.commit,  # the newer measurement's
+            laws=laws,
+            prompt_ids=self.prompt_ids,
+        )
+
+    def save(self, path: Path | str) -> None:
+        path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(asdict(self), indent=1, ensure_ascii=False) + "\n")
 
@@ -121,6 +159,20 @@ class AcceptanceTable:
             return cls(**json.loads(Path(path).read_text()))
         except (OSError, ValueError, TypeError) as exc:
             raise ValueError(f"cannot read the acceptance table {path}: {exc}") from None
+
+
+def pooled_rows(mine: list[dict], theirs: list[dict]) -> list[dict]:
+    """Rows of one law from two tables, candidate by candidate, with summed counts."""
+    key = itemgetter("method", "gamma", "beams")
+    by_candidate = {key(r): r for r in theirs}
+    if set(by_candidate) != {key(r) for r in mine}:
+        raise ValueError("the two tables measured different candidates")
+    out = []
+    for r in mine:
+        tokens = r["new_tokens"] + by_candidate[key(r)]["new_tokens"]
+        calls = r["target_calls"] + by_candidate[key(r)]["target_calls"]
+        out.append({**r, "block_efficiency": round(tokens / calls, 4), "new_tokens": tokens, "target_calls": calls})
+    return out
 
 
 def describe_law(law: dict) -> str:
@@ -164,6 +216,7 @@ def measure(
         dtype=str(pair.dtype).replace("torch.", ""),
         date=datetime.now(UTC).isoformat(timespec="seconds"),
         commit=commit,
+        prompt_ids=[p.id for p in prompts],
     )
     for law in laws:
         cases = [Case(c.settings(law).validate()) for c in candidates(methods)]
