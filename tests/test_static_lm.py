@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,8 +25,10 @@ from mtad.decoding.static_lm import StaticLM
 from mtad.models.errors import PairError
 from mtad.models.kernels import candidates, use_linear_kernel
 from mtad.models.shortlist_draft import int8_kernel_input
-from mtad.models.static_llama import _attention, layers_per_call, resolve_engine, supports
+from mtad.models.static_llama import _attention, discard_broken_cache, layers_per_call, resolve_engine, supports
 from mtad.settings import PARAMS, Settings
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def feed_both(eager: CachedLM, static: StaticLM, tokens: list[list[int]], keep: int = 1) -> None:
@@ -397,6 +403,60 @@ def test_a_pair_that_fails_to_compile_serves_on_the_eager_engine(monkeypatch: py
         "compiling embedded failed (ImportError: ['/tmp/torchinductor_root/x.main.so: file too short'])" in caplog.text
     )
     assert generate(pair, "abc def", Settings(max_new_tokens=8)).new_ids
+
+
+WARM_AND_GENERATE = """
+import logging, sys
+logging.basicConfig(level=logging.WARNING)
+from mtad.decoding import generate
+from mtad.decoding.static_lm import warm_up_pair
+from mtad.models.pair import load
+from mtad.settings import Settings
+pair = load(sys.argv[1], sys.argv[2], device="cpu", dtype="float32", engine="compiled")
+warm_up_pair(pair, 1)
+print(generate(pair, "abc def", Settings(max_new_tokens=6, greedy=True)).new_ids)
+"""
+
+
+def test_a_library_truncated_in_inductor_s_cache_is_compiled_again(tiny_dirs, tmp_path) -> None:
+    """A compile killed mid-write leaves a zero-byte library in inductor's on-disk cache; the next process
+    fails to load it (or to build against it), throws that cache away, compiles anew with a warning and
+    decodes as before, and the cache is whole again for the one after."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+
+    def run() -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-c", WARM_AND_GENERATE, *tiny_dirs], env=env, capture_output=True, text=True, timeout=600
+        )
+
+    first = run()
+    assert first.returncode == 0, first.stderr[-2000:]
+    libraries = list((tmp_path / "inductor").rglob("*.so"))
+    assert libraries
+    for lib in libraries:
+        lib.write_bytes(b"")
+    second = run()
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert "compiling from inductor's on-disk cache failed" in second.stderr  # then compiled anew
+    assert "compiling from inductor's on-disk cache failed" not in first.stderr
+    assert second.stdout == first.stdout
+    rebuilt = list((tmp_path / "inductor").rglob("*.so"))
+    assert rebuilt and all(lib.stat().st_size > 0 for lib in rebuilt)
+    assert [p.name for p in tmp_path.iterdir()] == ["inductor"]  # nothing set aside is left behind
+
+
+def test_only_a_failure_that_names_a_cached_file_discards_the_cache(tmp_path, monkeypatch) -> None:
+    cache = tmp_path / "inductor"
+    (cache / "ab").mkdir(parents=True)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
+    assert discard_broken_cache(RuntimeError("C++ compile error: g++ not found")) is None
+    assert (cache / "ab").is_dir()
+    try:
+        raise RuntimeError("backend compiler failed") from ImportError(f"{cache}/ab/x.main.so: file too short")
+    except RuntimeError as exc:
+        assert discard_broken_cache(exc) == f"{cache}/ab/x.main.so: file too short"
+    assert not cache.exists() and not list(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("kernel", ["mkl", "onednn"])

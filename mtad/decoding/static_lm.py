@@ -14,6 +14,7 @@ past it are masked and overwritten. On CUDA those repeated forwards replay CUDA 
 
 from __future__ import annotations
 
+import logging
 import time
 import weakref
 from typing import Any
@@ -28,6 +29,7 @@ from mtad.models.devices import to_device
 from mtad.models.pair import ModelPair
 from mtad.models.static_llama import (
     FEW_QUERIES,
+    discard_broken_cache,
     gemv_layer_weights,
     gemv_tokens,
     int8_layer_weights,
@@ -37,6 +39,7 @@ from mtad.models.static_llama import (
 )
 from mtad.settings import Settings
 
+log = logging.getLogger(__name__)
 COMPILED_TOKENS = FEW_QUERIES
 COMPILED_ROWS = 16
 CAPACITY_STEP = 256
@@ -369,15 +372,28 @@ def warm_up_pair(pair: ModelPair, tokens: int) -> float:
     the draft's forwards of 1 … ``tokens`` tokens in one row (the target's logits of all of them, the draft's
     of the last, as decoding asks), and the draft's one token in several rows
     (beams, Spectr's drafts: one graph serves every count from two on); the seconds it took. A draft that
-    is not a Llama stays eager and compiles nothing."""
+    is not a Llama stays eager and compiles nothing. A failure that names a file of inductor's on-disk cache
+    (a library truncated by a killed compile) costs that cache and one more compile, with a warning
+    (:func:`~mtad.models.static_llama.discard_broken_cache`)."""
     t0 = time.perf_counter()
+    try:
+        _warm_up_pair(pair, tokens)
+    except Exception as exc:
+        named = discard_broken_cache(exc)
+        if named is None:
+            raise
+        log.warning("compiling from inductor's on-disk cache failed (%s); compiling anew into an empty one", named)
+        _warm_up_pair(pair, tokens)
+    return time.perf_counter() - t0
+
+
+def _warm_up_pair(pair: ModelPair, tokens: int) -> None:
     warm_up(pair.target, pair.vocab_size, tokens)
     if compiles_draft(pair):
         warm_up(pair.draft, pair.vocab_size, tokens, keep_all=False)
         warm_up(pair.draft, pair.vocab_size, 1, rows=2)
     if fused_enabled(pair):
         warm_up_bookkeeping(pair, tokens)
-    return time.perf_counter() - t0
 
 
 def warm_up_bookkeeping(pair: ModelPair, tokens: int) -> None:

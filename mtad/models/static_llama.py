@@ -10,8 +10,11 @@ so inductor prepacks them for its own CPU kernels.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import shutil
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -406,6 +409,34 @@ def cache_per_capability() -> str:
     if os.path.basename(os.path.normpath(base)) != leaf:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, leaf)
     return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
+def discard_broken_cache(exc: BaseException) -> str | None:
+    """When ``exc`` (or what caused it) names a file in inductor's on-disk cache, move that cache away, empty
+    inductor's in-memory caches and return the line that names the file, so that compiling again writes
+    every file anew; None (and nothing touched) otherwise.
+
+    Seen: a compile killed mid-write (a Ctrl-C during the first load) left a zero-byte library in the cache,
+    and every later process failed to load it ("file too short"), or failed to build a wrapper against it.
+    A compiler that fails on a sound cache fails again on the empty one, so it costs one more compile
+    and the cache, then the error is raised as before."""
+    from torch._inductor.utils import clear_caches
+
+    cache = os.path.normpath(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir())
+    lines, seen = [], exc
+    while seen is not None and len(lines) < 1000:
+        lines += str(seen).splitlines()
+        seen = seen.__cause__ or seen.__context__
+    naming = [line.strip() for line in lines if os.path.join(cache, "") in line]
+    if not naming:
+        return None
+    named = next((line for line in naming if "Error: " in line), naming[0])[:400]  # the error, not a command
+    aside = f"{cache}.broken-{os.getpid()}-{time.monotonic_ns()}"
+    with contextlib.suppress(OSError):
+        os.rename(cache, aside)  # atomic: another process reading it sees a whole folder or none
+    shutil.rmtree(aside, ignore_errors=True)
+    clear_caches()
+    return named
 
 
 def decoder_layers(

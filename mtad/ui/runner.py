@@ -90,8 +90,9 @@ class PairCache:
 
 def warmed_or_eager(pair: ModelPair, name: str) -> ModelPair:
     """``pair`` with every shape the page can ask for compiled before any visitor; where compiling fails (a
-    compiler or its on-disk cache broken on this machine), the pair again on the eager engine, with a warning
-    in the log, so that the page keeps serving (slower, and its status line says "eager")."""
+    compiler broken on this machine, or its on-disk cache still failing once emptied), the pair again on the
+    eager engine, with a warning in the log, so that the page keeps serving (slower, and its status line
+    says "eager")."""
     try:
         seconds = warm_up_pair(pair, int(PARAMS["gamma"].widget_range[1]) + 1)
     except torch.cuda.OutOfMemoryError:
