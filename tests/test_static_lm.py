@@ -21,7 +21,7 @@ from test_tree import check_tree_forward
 
 from mtad.decoding import generate
 from mtad.decoding.state import CachedLM, DecodeState, draft_lm
-from mtad.decoding.static_lm import StaticLM
+from mtad.decoding.static_lm import WARMED, StaticLM, needs_warm_up, warm_up_settings
 from mtad.models.errors import PairError
 from mtad.models.kernels import candidates, use_linear_kernel
 from mtad.models.shortlist_draft import int8_kernel_input
@@ -274,6 +274,32 @@ def test_decoders_on_the_compiled_engine_give_the_eager_engine_s_text_and_never_
     assert torch._dynamo.utils.counters["frames"]["ok"] > 0  # the compiled path ran
     st = DecodeState.start(compiled, close_pair.encode("abc"), GREEDY[1])
     assert isinstance(st.target, StaticLM) and isinstance(st.draft, StaticLM)  # both models compiled
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        Settings(method="mtad-tree", gamma=3, beams=3, max_new_tokens=30, greedy=True),
+        Settings(method="spectr", gamma=3, num_drafts=3, max_new_tokens=30, seed=5),
+    ],
+    ids=["tree", "spectr"],
+)
+def test_a_warm_up_compiles_every_shape_a_timed_generation_then_asks(close_pair, settings: Settings) -> None:
+    """The page's lanes and ``generate`` compile a decoder's shapes untimed before its clock: after
+    :func:`warm_up_settings`, a generation with those settings (another prompt and length, other τ or seed)
+    compiles nothing, and writes the eager engine's text."""
+    compiled = dataclasses.replace(close_pair, engine="compiled")
+    torch._dynamo.reset()
+    WARMED.pop(compiled.target, None)
+    assert needs_warm_up(compiled, settings) and not needs_warm_up(close_pair, settings)
+    assert warm_up_settings(compiled, settings)
+    assert not needs_warm_up(compiled, settings) and not warm_up_settings(compiled, settings)
+    assert not needs_warm_up(compiled, settings.with_(tau=0.5, seed=9, max_new_tokens=7))
+    assert needs_warm_up(compiled, settings.with_(gamma=2))
+    for prompt in ("abc def gh abc bad cafe fed", "fed"):
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            got = generate(compiled, prompt, settings).new_ids
+        assert got == generate(close_pair, prompt, settings).new_ids
 
 
 def test_decoders_over_fixed_input_forwards_give_the_eager_engine_s_text(
@@ -842,7 +868,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from mtad.decoding.state import CachedLM
-from mtad.decoding.static_lm import StaticLM
+from mtad.decoding.static_lm import WARMED, StaticLM, needs_warm_up, warm_up_settings
 from mtad.models.kernels import use_linear_kernel
 
 torch.manual_seed(0)

@@ -88,4 +88,5 @@ SPEC = MethodSpec(
     params=(PARAMS["beams"], PARAMS["gamma"], PARAMS["tau"], PARAMS["draft_mode"]),
     step=mtad_tree_step,
     panel="mtad",
+    verify_tokens=lambda s: 1 + s.beams * s.gamma,  # the pending token, then a token tree of every candidate
 )

@@ -37,7 +37,8 @@ class MethodSpec:
     ``python -m mtad.audit`` must find no shift. ``drafts``: it runs the draft model. ``racer``: the page
     offers it as a lane. ``panel``: which verification panel (``PANELS``) explains an iteration; ``rule``:
     that panel's sentence on how it verifies; ``remark``: a line under the bench table where its
-    columns read differently. ``feature_draft``: it can run a draft that reads the target's features
+    columns read differently. ``verify_tokens``: how many tokens its widest verification feeds the target,
+    when not γ + 1. ``feature_draft``: it can run a draft that reads the target's features
     (:mod:`mtad.models.feature_draft`: its drafter feeds the draft through the shared ``DecodeState`` and its
     verifier is one linear target forward, so the target's features of every kept position are known).
     """
@@ -56,6 +57,10 @@ class MethodSpec:
     rule: str = ""
     remark: str = ""
     feature_draft: bool = False
+    verify_tokens: Callable[[Settings], int] | None = None
+    """The most tokens one of its verifications feeds the target, where that is more than γ + 1 (a token
+    tree's nodes after the pending token): the compiled engine compiles each count up to it before a
+    timed run (:func:`mtad.decoding.static_lm.warm_up_settings`)."""
 
     def __post_init__(self) -> None:
         if (self.step is None) == (self.decoder is None):

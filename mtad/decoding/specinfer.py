@@ -60,4 +60,5 @@ SPEC = MethodSpec(
     panel="mss",
     rule="SpecInfer's MSS walks the token tree: children are tried in turn against p, then against "
     "norm(max(0, p − q)) after each rejection; the last residual gives the token when all fail (exact)",
+    verify_tokens=lambda s: 1 + s.num_drafts * s.gamma,  # the pending token, then a token tree of every candidate
 )

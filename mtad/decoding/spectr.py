@@ -90,4 +90,5 @@ SPEC = MethodSpec(
     rule="Spectr's K-SEQ tries the candidates' tokens in turn at each position (accept x with "
     "min(1, p/(ρq))), follows the candidates carrying the accepted token, and resamples from its residual "
     "when none passes (exact)",
+    verify_tokens=lambda s: 1 + s.num_drafts * s.gamma,  # the pending token, then a token tree of every candidate
 )

@@ -346,17 +346,26 @@ def _check_out(lm: StaticLM, model: torch.nn.Module, param: torch.Tensor) -> tup
     return cache, graphs
 
 
-def warm_up(model: torch.nn.Module, vocab: int, tokens: int, rows: int = 1, keep_all: bool = True) -> float:
+def warm_up(
+    model: torch.nn.Module, vocab: int, tokens: int, rows: int = 1, keep_all: bool = True, tree: bool = False
+) -> float:
     """Compile the forwards of ``rows`` rows and 1 … ``tokens`` new tokens (AR's step and every
     verification up to γ = tokens − 1) before anyone waits on them; the seconds it took. They keep the logits
     of every new token (a verification's), or with ``keep_all`` False of the last (a draft's step): the head
-    runs in the compiled graph, so each is a graph of its own."""
+    runs in the compiled graph, so each is a graph of its own. ``tree``: one row's masked forwards at given
+    positions instead (:meth:`StaticLM.feed_masked`, a token tree's verification: graphs of their own)."""
     t0 = time.perf_counter()
     lm = StaticLM(model, vocab)
     device = lm.cache.device
     lm.feed(torch.zeros((rows, 1), dtype=torch.long, device=device))  # a context: compiled shapes follow one
     for n in range(1, min(tokens, COMPILED_TOKENS) + 1):
-        lm.feed(torch.zeros((rows, n), dtype=torch.long, device=device), keep=n if keep_all else 1)
+        ids = torch.zeros((rows, n), dtype=torch.long, device=device)
+        if tree:
+            with torch.inference_mode():  # as the decoders make the mask: the graphs guard on it
+                allow = torch.ones(n, n + 1, dtype=torch.bool).tril(diagonal=1)
+            lm.feed_masked(ids, list(range(1, n + 1)), allow)
+        else:
+            lm.feed(ids, keep=n if keep_all else 1)
         lm.rollback(1)
     return time.perf_counter() - t0
 
@@ -394,6 +403,45 @@ def _warm_up_pair(pair: ModelPair, tokens: int) -> None:
         warm_up(pair.draft, pair.vocab_size, 1, rows=2)
     if fused_enabled(pair):
         warm_up_bookkeeping(pair, tokens)
+
+
+WARMED: weakref.WeakKeyDictionary[torch.nn.Module, set[tuple]] = weakref.WeakKeyDictionary()
+"""The shape-deciding settings each compiled pair (by its target, where its graphs live) has generated with
+in this process."""
+
+
+def shape_key(settings: Settings) -> tuple:
+    """What decides the shapes a generation compiles (the method, its draft's length, rows and search, greedy
+    or sampled), not the values it computes with (τ, the warp, the seed)."""
+    s = settings
+    return (s.method, s.gamma, s.beams, s.num_drafts, s.draft_mode, s.is_greedy)
+
+
+def needs_warm_up(pair: ModelPair, settings: Settings) -> bool:
+    """True when :func:`warm_up_settings` would compile: the compiled engine, settings not yet seen."""
+    return pair.engine == "compiled" and shape_key(settings) not in WARMED.get(pair.target, ())
+
+
+def warm_up_settings(pair: ModelPair, settings: Settings) -> bool:
+    """Before a timed generation on the compiled engine, compile what these settings ask that no earlier
+    generation in this process asked (a token tree's or several drafts' verification, the draft's
+    search): a short untimed generation, whole drafts then the shorter ones of its end. True when it ran;
+    False on the eager engine and for settings already seen. Without it a decoder's first run reports
+    its compile as its speed."""
+    if not needs_warm_up(pair, settings):
+        return False
+    from mtad.decoding import decode  # the decoders import this module
+    from mtad.decoding.spec import spec_of
+
+    _warm_up_pair(pair, settings.gamma + 1)  # one sequence's shapes: at once where the pair's warm-up ran
+    ids = pair.encode("Say hello.")
+    for _ in decode(pair, ids, settings.with_(max_new_tokens=3 * (settings.gamma + 1), seed=0)):
+        pass
+    widest = spec_of(settings.method).verify_tokens
+    if widest is not None:  # a token tree's size varies with how much its candidates share: every count
+        warm_up(pair.target, pair.vocab_size, widest(settings), tree=True)
+    WARMED.setdefault(pair.target, set()).add(shape_key(settings))
+    return True
 
 
 def warm_up_bookkeeping(pair: ModelPair, tokens: int) -> None:

@@ -20,7 +20,7 @@ def energy_text(m: Metrics, lane: LaneRecord) -> str:
     """J/token, or why there is no number (never a made-up zero)."""
     if m.joules_per_token is not None:
         return f"{fmt(m.joules_per_token)} J"
-    if lane.state in ("waiting", "queued"):
+    if lane.state in ("waiting", "queued", "compiling"):
         return "—"
     if lane.energy.available and not lane.finished:
         return "measuring…"

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import torch
 
 from mtad.decoding import decode
-from mtad.decoding.static_lm import warm_up_pair
+from mtad.decoding.static_lm import needs_warm_up, warm_up_pair, warm_up_settings
 from mtad.models.errors import PairError
 from mtad.models.pair import ModelPair, load_pair
 from mtad.models.presets import presets
@@ -134,10 +134,15 @@ def energy_tools(device: torch.device) -> tuple[object | None, object | None, st
     return meter, (sampler if sampler.available else None), ""
 
 
+class Stopped(Exception):
+    """Stop was pressed while the lane compiled, before its clock started."""
+
+
 class LaneWorker(threading.Thread):
     """Decodes one lane on the device, alone, and reports each Step through ``events``.
 
-    Events: ("started", LaneEnergy without readings), ("step", Step, wall_seconds_since_start),
+    Events: ("compiling",) when the compiled engine first meets these settings' shapes (compiled untimed,
+    before the clock), ("started", LaneEnergy without readings), ("step", Step, wall_seconds_since_start),
     ("end", state, error, LaneEnergy).
     """
 
@@ -163,25 +168,33 @@ class LaneWorker(threading.Thread):
             ACTIVE.discard(self)
 
     def _decode(self) -> None:
-        meter, self.sampler, reason = energy_tools(self.pair.device)
+        meter, sampler, reason = energy_tools(self.pair.device)
         energy = LaneEnergy(available=meter is not None, reason=reason or "")
-        self.events.put(("started", LaneEnergy(available=energy.available, reason=energy.reason)))
-        state, error, n = "done", None, 0
-        if meter is not None:
-            meter.start()
-        if self.sampler is not None:
-            self.sampler.start()
-        t0 = time.perf_counter()
+        state, error, n, started = "done", None, 0, False
         try:
             if self.cancel.is_set():
                 state = "stopped"
             else:
+                if needs_warm_up(self.pair, self.settings):
+                    self.events.put(("compiling",))
+                    warm_up_settings(self.pair, self.settings)  # untimed: the clock is the decoder's alone
+                if self.cancel.is_set():
+                    raise Stopped
+                self.events.put(("started", LaneEnergy(available=energy.available, reason=energy.reason)))
+                started, self.sampler = True, sampler
+                if meter is not None:
+                    meter.start()
+                if self.sampler is not None:
+                    self.sampler.start()
+                t0 = time.perf_counter()
                 for step in decode(self.pair, self.prompt_ids, self.settings):
                     self.events.put(("step", step, time.perf_counter() - t0))
                     n += 1
                     if self.cancel.is_set():
                         state = "stopped"
                         break
+        except Stopped:
+            state = "stopped"
         except torch.cuda.OutOfMemoryError:
             state, error = "error", OOM_MESSAGE  # memory is released below, once the traceback is gone
         except ValueError as exc:
@@ -192,10 +205,10 @@ class LaneWorker(threading.Thread):
         finally:
             if error == OOM_MESSAGE:
                 free_device_memory()
-            if meter is not None:
+            if started and meter is not None:
                 reading = meter.stop()
                 energy.joules, energy.note, energy.source = reading.joules, reading.note, reading.source
-            if self.sampler is not None:
+            if started and self.sampler is not None:
                 self.sampler.stop()
                 energy.samples = self.live_samples()
             HISTORY.append((self.settings.method, state, n))
@@ -246,7 +259,9 @@ def _drain(worker: LaneWorker, lane: object, tokenizer: object, wait: float) -> 
         except queue.Empty:
             return changed
         changed = True
-        if ev[0] == "started":
+        if ev[0] == "compiling":
+            lane.state = "compiling"
+        elif ev[0] == "started":
             lane.state, lane.energy = "running", ev[1]
         elif ev[0] == "step":
             lane.add(ev[1], tokenizer, ev[2])

@@ -13,6 +13,7 @@ from mtad.ui.record import LABELS, LaneRecord
 STATE_BADGES = {
     "waiting": "waiting",
     "queued": "waiting for the device",
+    "compiling": "compiling for this device (first use, not timed)…",
     "line": "in the queue",
     "running": "generating…",
     "done": "done",
