@@ -187,13 +187,16 @@ def build() -> gr.Blocks:
         api_replay.click(replay.replay, record, replay_outputs, api_name="replay", concurrency_limit=4)
         # .input, not .change: verify_reset sets the lane, iteration and view itself after a run (a link's
         # iteration among them), and a .change here would race it back to iteration 1
-        v_lane.input(panel.verify_lane, [record, v_lane, v_tau], [v_iter, v_html, v_plot], **private)
+        # raw values: a number typed past a slider's end reaches the handlers, which take the nearest end,
+        # instead of failing in Gradio's own check (an "Error" badge, a traceback in the log)
+        raw = {**private, "preprocess": False}
+        v_lane.input(panel.verify_lane, [record, v_lane, v_tau], [v_iter, v_html, v_plot], **raw)
         for widget in (v_iter, v_tau):
-            widget.change(panel.verify_view, [record, v_lane, v_iter, v_tau], [v_html, v_plot], **private)
+            widget.change(panel.verify_view, [record, v_lane, v_iter, v_tau], [v_html, v_plot], **raw)
         for widget in (v_lane, v_iter):
-            widget.change(link.link_html, [record, v_lane, v_iter], v_link, **private)
-        v_prev.click(panel.previous_iteration, [record, v_lane, v_iter], v_iter, **private)
-        v_next.click(panel.next_iteration, [record, v_lane, v_iter], v_iter, **private)
+            widget.change(link.link_html, [record, v_lane, v_iter], v_link, **raw)
+        v_prev.click(panel.previous_iteration, [record, v_lane, v_iter], v_iter, **raw)
+        v_next.click(panel.next_iteration, [record, v_lane, v_iter], v_iter, **raw)
         demo.unload(line.unload)
     demo.queue(max_size=QUEUE_SIZE, default_concurrency_limit=1)
     PAGE.line.attach(demo)

@@ -131,6 +131,14 @@ def test_run_both_lanes_verify_and_replay(page):
     eta_at_1 = int(panel.locator(".v-eta").inner_text())
     assert eta_at_1 == 0 and eta_at_0 > 0  # greedy: p > 0 everywhere, so tau = 0 passes the whole draft
     assert "τ = 1 rejects every draft" in panel.inner_text()
+    # numbers typed past the sliders' ends are taken at the nearest end: no "Error" badge, the panel drawn
+    for elem_id, value in (("v-tau", "1.5"), ("v-iter", "99")):
+        box = page.locator(f"#{elem_id} input[type=number]")
+        box.fill(value)
+        box.press("Enter")  # the box pulls the number back to its end, but sends it first
+        page.wait_for_timeout(1500)
+    assert page.get_by_text("Error", exact=True).count() == 0 and "τ = 1.000" in panel.inner_text()
+    assert "Link to this run at iteration 99" not in page.locator("#v-link").inner_text()
     page.wait_for_selector("#v-plot .js-plotly-plot .trace", timeout=30_000)
     page.locator("#v-panel").scroll_into_view_if_needed()
     page.screenshot(path=str(OUT / "app_verify.png"), full_page=True)
@@ -166,6 +174,17 @@ def test_empty_prompt_error_stays_on_the_page(page):
     # the run's last update clears it (Gradio's timer shows there until the run has ended)
     page.wait_for_function("document.querySelector('#message').innerText.trim() === ''", timeout=30_000)
     assert message_text(page).strip() == ""
+    # a refused run keeps the last run's lanes, cards and record: Replay still replays it
+    lane = page.locator("#lane-left").inner_text()
+    page.locator("#prompt textarea").fill("")
+    page.locator("#run-btn").click()
+    page.wait_for_function("document.querySelector('#status').innerText.startsWith('Not run: the prompt is empty')")
+    page.wait_for_timeout(1000)
+    assert page.locator("#lane-left").inner_text() == lane and page.locator(DONE.format("left")).count() == 1
+    assert page.locator("#cards").inner_text().strip()
+    page.locator("#replay-btn").click()
+    page.wait_for_function("document.querySelector('#status').innerText.includes('Replayed')", timeout=30_000)
+    page.screenshot(path=str(OUT / "app_refused_keeps_run.png"), full_page=True)
 
 
 @pytest.mark.parametrize(

@@ -344,12 +344,45 @@ def test_stop_flag_ends_the_run_at_the_next_iteration(app_server, tiny_pair):
     assert rec.lanes["mtad"].state == "stopped" and not rec.lanes["mtad"].steps
 
 
+def test_a_lane_compiles_its_decoder_before_its_clock_starts(close_pair):
+    """On the compiled engine a decoder's first run with new shapes compiles them first, untimed, with the
+    lane marked "compiling" (the page says so); a second run of the same shapes starts at once. On the
+    eager engine nothing is compiled."""
+    import dataclasses
+
+    import torch
+
+    from mtad.decoding.static_lm import WARMED
+    from mtad.ui import runner
+    from mtad.ui.record import LaneRecord, RunRecord
+
+    settings = Settings(method="specinfer", gamma=3, num_drafts=3, max_new_tokens=6, seed=1)
+    compiled = dataclasses.replace(close_pair, engine="compiled")
+    torch._dynamo.reset()
+    WARMED.pop(compiled.target, None)
+    ids = close_pair.encode("abc def")
+
+    def states(pair) -> list[str]:  # noqa: ANN001
+        rec = RunRecord("close", "cpu", "abc def", settings.to_dict(), {"specinfer": LaneRecord("specinfer", ids)})
+        seen = []
+        for r in runner.run_lanes(pair, rec, settings, threading.Event(), interval=0.001):
+            seen.append(r.lanes["specinfer"].state)
+        assert rec.lanes["specinfer"].state == "done" and rec.lanes["specinfer"].steps
+        return [s for i, s in enumerate(seen) if i == 0 or s != seen[i - 1]]
+
+    assert "compiling" in states(compiled)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert "compiling" not in states(compiled)
+    assert "compiling" not in states(close_pair)
+
+
 def test_fastest_sets_mtads_gamma_and_beams_or_says_why_not(app_server, monkeypatch):
     import gradio as gr
 
     from mtad.tuning.table import BEAMS, GAMMAS
     from mtad.ui import fastest
     from mtad.ui.fastest import fastest_page
+    from mtad.ui.state import PAGE
 
     with app_env():
         gamma, beams, message = fastest_page(PAIR, 0.1, False, 1.0, 20, 0.9)
@@ -363,6 +396,18 @@ def test_fastest_sets_mtads_gamma_and_beams_or_says_why_not(app_server, monkeypa
             gamma, beams, message = fastest_page(*form)
             assert gamma == beams == gr.skip() and "refused" in message
             assert why in html.unescape(message) and "No fastest settings" in message and "Not run" not in message
+        # a pair whose preset names no table is told so in a visitor's words, before anything loads
+        presets = Path(os.environ["MTAD_PAIRS"])
+        tiny = presets.read_text().split("[pairs.hubonly]")[0]
+        plain = tiny.replace(f"[pairs.{PAIR}]", "[pairs.plain]").replace('acceptance = "acceptance.json"\n', "")
+        both = presets.with_name("with-plain.toml")
+        both.write_text(presets.read_text() + "\n" + plain)
+        with monkeypatch.context() as m:
+            m.setenv("MTAD_PAIRS", str(both))
+            gamma, beams, message = fastest_page("plain", 0.1, False, 1.0, 20, 0.9)
+        assert gamma == beams == gr.skip() and "mtad-message-info" in message and "python -m" not in message
+        assert "The pair 'plain' has no measured acceptance table" in html.unescape(message)
+        assert f"; {PAIR} has one." in message and not PAGE.pairs.loaded("plain")
         monkeypatch.setattr(fastest, "fastest", lambda *a, **k: 1 / 0)  # whatever the timing raises
         gamma, beams, message = fastest_page(PAIR, 0.1, False, 1.0, 20, 0.9)
         assert gamma == gr.skip() and "No fastest settings: timing failed (ZeroDivisionError)" in message

@@ -567,7 +567,7 @@ def test_a_link_carries_the_run_s_inputs_and_the_iteration():
 
 
 def test_previous_and_next_stay_within_the_lane_s_iterations():
-    from mtad.ui import panel
+    from mtad.ui import link, panel
 
     rec = link_record()
     assert panel.next_iteration(rec, "spectr", 1)["value"] == 2
@@ -575,6 +575,12 @@ def test_previous_and_next_stay_within_the_lane_s_iterations():
     assert panel.previous_iteration(rec, "spectr", 1)["value"] == 1
     assert panel.previous_iteration(rec, "spectr", 2)["value"] == 1
     assert panel.next_iteration(None, "spectr", 1)["value"] == 1
+    # values typed past the slider's ends reach the handlers unchecked (preprocess off): the nearest end
+    assert panel.next_iteration(rec, "spectr", 99)["value"] == 2
+    assert panel.previous_iteration(rec, "spectr", -7)["value"] == 1
+    assert panel.previous_iteration(rec, "spectr", None)["value"] == 1
+    assert "at iteration 2 of Spectr" in link.link_html(rec, "spectr", 99)
+    assert panel.verify_view(rec, "spectr", 99, 1.5) == panel.verify_view(rec, "spectr", 2, 1.0)
 
 
 def test_a_link_s_iteration_opens_after_the_run_and_is_then_spent():

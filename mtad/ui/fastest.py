@@ -10,8 +10,10 @@ import logging
 import gradio as gr
 
 from mtad.models.errors import PairError
+from mtad.models.presets import presets
 from mtad.tuning import fastest
 from mtad.tuning.choose import Tuning
+from mtad.tuning.table import table_path
 from mtad.ui.inputs import DEFAULTS, parse_settings
 from mtad.ui.outputs import message_html
 from mtad.ui.run import check_pair
@@ -39,6 +41,8 @@ def fastest_page(
             tau, DEFAULTS.beams, DEFAULTS.gamma, DEFAULTS.max_new_tokens, greedy, temperature, top_k, top_p, 0
         )
         check_pair(pair_name)
+        if table_path(pair_name) is None:  # said before loading anything
+            return gr.skip(), gr.skip(), message_html(no_table(pair_name), kind="info")
         pair = PAGE.pairs.get(pair_name)
         with DEVICE_LOCK:
             tuning = fastest(pair, settings)
@@ -56,6 +60,16 @@ def fastest_page(
         PAGE.line.leave(holder)
     best = tuning.best("mtad").candidate
     return best.gamma, best.beams, message_html(summary(tuning), kind="info")
+
+
+def no_table(pair_name: str) -> str:
+    """Why a pair gets no prediction, in a visitor's words, and which pairs do."""
+    others = [name for name, preset in presets().items() if preset.acceptance and name != pair_name]
+    text = (
+        f"The pair {pair_name!r} has no measured acceptance table (how many tokens each γ and W keeps per "
+        "target call, measured once per pair by its operator), so its fastest settings cannot be predicted here"
+    )
+    return text + (f"; {' and '.join(others)} {'has' if len(others) == 1 else 'have'} one." if others else ".")
 
 
 def summary(tuning: Tuning) -> str:

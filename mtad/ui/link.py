@@ -12,7 +12,7 @@ from mtad.decoding.spec import racers
 from mtad.ui.form import FIELDS
 from mtad.ui.outputs import message_html
 from mtad.ui.pickers import pair_choices
-from mtad.ui.record import LABELS, RunRecord
+from mtad.ui.record import LABELS, RunRecord, nearest_iteration
 
 LINK_KEYS = {  # query parameter -> the run's settings key (also the run form's field)
     "tau": "tau",
@@ -50,6 +50,7 @@ def link_html(record: RunRecord | None, method: str, iteration: float) -> str:
     """A link to this run and iteration, for a teacher to share."""
     if record is None or not any(lane.steps for lane in record.lanes.values()):
         return ""
+    iteration = nearest_iteration(record.lane(method), iteration)
     query = link_query(record, method, iteration)
     return (
         f'<div class="v-link"><a href="?{escape(query, quote=True)}" target="_blank" rel="noopener">'

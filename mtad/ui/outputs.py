@@ -116,6 +116,10 @@ class Stream:
         return (msg, status, *htmls, card, *plot_out, record, data)
 
 
+RUN_OUTPUTS = 12
+"""A run event's outputs: message, status, three lanes, cards, four plots and notes, the record, its JSON."""
+
+
 def blank_outputs(message: str, status: str, race: tuple[str, str] = DEFAULT_RACE) -> tuple:
     """Outputs for a run that did not start: the message, a fresh status, empty lanes titled ``race``."""
     htmls = [lane_box(None, m) for m in lane_slots(None, race)]
@@ -127,9 +131,11 @@ class Refused(Exception):
     """A run that did not start or failed, with the message the page already shows."""
 
 
-def refuse(message: str, race: tuple[str, str] = DEFAULT_RACE) -> Iterator[tuple]:
-    """Show why a run did not start (it stays on the page, the old status replaced), then end the event."""
-    yield blank_outputs(message_html(message), f"Not run: {escape(message)}", race)
+def refuse(message: str) -> Iterator[tuple]:
+    """Show why a run did not start (it stays on the page, the old status replaced), then end the event. The
+    last run's lanes, cards, plots and record stay as they were (Replay and the panel still read them): a
+    value typed wrong costs no results."""
+    yield (message_html(message), f"Not run: {escape(message)}", *(gr.skip(),) * (RUN_OUTPUTS - 2))
     raise Refused(message)
 
 

@@ -9,7 +9,7 @@ import gradio as gr
 
 from mtad.ui import verify
 from mtad.ui.pickers import DEFAULT_RACE
-from mtad.ui.record import LABELS, LaneRecord, RunRecord
+from mtad.ui.record import LABELS, LaneRecord, RunRecord, nearest_iteration
 from mtad.ui.state import PAGE
 
 
@@ -29,10 +29,11 @@ def _tokenizer(record: RunRecord | None) -> object | None:
 
 
 def verify_view(record: RunRecord | None, method: str, iteration: float, tau: float) -> tuple:
-    """Panel HTML and chart for 1-based ``iteration`` of ``method``'s lane re-judged at ``tau``."""
+    """Panel HTML and chart for 1-based ``iteration`` of ``method``'s lane re-judged at ``tau``. A value typed
+    into the sliders' boxes out of range (they reach here unchecked) is taken at the nearest end."""
     lane = _lane(record, method)
-    tau = min(1.0, max(0.0, float(tau if tau is not None and math.isfinite(tau) else 0.0)))
-    index = int(iteration or 1) - 1
+    tau = min(1.0, max(0.0, float(tau if isinstance(tau, int | float) and math.isfinite(tau) else 0.0)))
+    index = nearest_iteration(lane, iteration) - 1
     run_tau = record.settings.get("tau", tau) if record else tau
     settings = record.settings if record else {}
     html = verify.verify_html(lane, index, tau, run_tau, _tokenizer(record), settings)
@@ -73,8 +74,7 @@ def verify_reset(record: RunRecord | None, method: str, wanted: dict | None = No
 def shift_iteration(record: RunRecord | None, method: str, iteration: float, delta: int) -> dict:
     """The iteration slider moved by ``delta`` (previous / next), kept within the lane's iterations."""
     lane = _lane(record, method)
-    n = max(1, len(lane.steps)) if lane else 1
-    return gr.update(value=min(n, max(1, int(iteration or 1) + delta)))
+    return gr.update(value=nearest_iteration(lane, nearest_iteration(lane, iteration) + delta))
 
 
 def previous_iteration(record: RunRecord | None, method: str, iteration: float) -> dict:

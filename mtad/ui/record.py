@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from mtad.decoding.spec import SpecField
@@ -40,7 +41,7 @@ class LaneRecord:
     appended_pieces: list[list[str]] = field(default_factory=list)
     rejected_pieces: list[list[str]] = field(default_factory=list)
     wall_ends: list[float] = field(default_factory=list)
-    state: str = "waiting"  # waiting | running | done | stopped | error
+    state: str = "waiting"  # waiting | queued | compiling | running | done | stopped | error
     error: str | None = None
     energy: LaneEnergy = field(default_factory=LaneEnergy)
     context_ids: list[int] = field(default_factory=list)
@@ -152,3 +153,11 @@ class RunRecord:
                 d["steps"] = [s.to_dict() for s in lane.steps]
             lanes[m] = d
         return {"pair": self.pair, "device": self.device, "settings": self.settings, "lanes": lanes}
+
+
+def nearest_iteration(lane: LaneRecord | None, value: object) -> int:
+    """The 1-based iteration of ``lane`` nearest to ``value``, as the verification panel's slider sends it
+    unchecked (a number typed past either end, or nothing)."""
+    last = max(1, len(lane.steps)) if lane else 1
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    return min(last, max(1, int(value) if ok else 1))

@@ -143,7 +143,7 @@ def _generate(session: str, form: RunForm) -> Iterator[tuple]:
     try:
         settings, racers = check_run(prompt, pair_name, with_ar, form.settings_values(), left, right)
     except ValueError as exc:
-        yield from refuse(str(exc), race)
+        yield from refuse(str(exc))
     cancel = PAGE.cancels.take(session)
     if cancel.is_set():
         stopped = message_html("Stopped while waiting in the queue.", kind="stop")
@@ -160,7 +160,7 @@ def _generate(session: str, form: RunForm) -> Iterator[tuple]:
             if (why := refusal(pair, method)) is not None:
                 raise ValueError(f"{why} (pick another lane)")
     except (PairError, ValueError) as exc:
-        yield from refuse(str(exc), race)
+        yield from refuse(str(exc))
     methods = racers + (["ar"] if with_ar else [])
     record = RunRecord(
         pair=pair_name,
@@ -177,12 +177,17 @@ def _generate(session: str, form: RunForm) -> Iterator[tuple]:
                 status = device_text(rec)
             elif cancel.is_set():
                 status = f"{device_text(rec)} · **stopping** after the iteration in progress…"
+            elif running.state == "compiling":
+                status = (
+                    f"{device_text(rec)} · compiling **{running.label}** for this device: its first run with "
+                    "these settings here; the clock starts after…"
+                )
             else:
                 status = f"{device_text(rec)} · running **{running.label}**…"
             yield stream.outputs(rec, status, message=message_html() if not stream.sent else None)
     except torch.cuda.OutOfMemoryError:
         free_device_memory()
-        yield from refuse(OOM_MESSAGE, race)
+        yield from refuse(OOM_MESSAGE)
     errors = "; ".join(f"{lane.label}: {lane.error}" for lane in record.lanes.values() if lane.error)
     status = device_text(record) + (" · failed" if errors else run_tail(record))
     yield stream.outputs(record, status, message=message_html(errors) if errors else None, final=True)
