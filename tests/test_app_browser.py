@@ -558,6 +558,13 @@ def test_sampled_spectr_and_bild_panels_teacher_mode_link_and_reply_view(browser
     page.locator("#reply-left input").check()
     assert not rejected.first.is_visible() and not page.locator("#lane-left .tok-prompt").is_visible()
     assert page.locator("#lane-right .tok-prompt").is_visible()
+    kept = page.locator("#lane-left .tok-acc").first
+    gap = kept.evaluate("e => [getComputedStyle(e).paddingLeft, getComputedStyle(e).paddingRight]")
+    assert gap == ["0px", "0px"]  # no gap inside a word cut into tokens ("set Up")
+    body = page.locator("#lane-left .lane-body")
+    assert body.evaluate("e => getComputedStyle(e).fontFamily") == page.locator("#lane-right .lane-body").evaluate(
+        "e => getComputedStyle(e).fontFamily"
+    )  # the lane's monospace: code stays code
     page.locator("#lane-left").scroll_into_view_if_needed()
     page.screenshot(path=str(OUT / "app_reply_only.png"))
 
