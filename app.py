@@ -161,7 +161,8 @@ def build() -> gr.Blocks:
         examples.input(pickers.on_example, examples, prompt, **private)
         with_ar.change(runs.toggle_ar, with_ar, ar_box, **private)
         waiting_outputs = [message, status, lane_1, lane_2, lane_ar, timer]
-        timer.tick(line.waiting_tick, [left, right], waiting_outputs, **private)
+        quiet = {**private, "show_progress": "hidden"}  # no Gradio timer flashing in the message area
+        timer.tick(line.waiting_tick, [left, right], waiting_outputs, **quiet)
         for picker in (left, right):
             picker.change(line.on_race_change, [record, left, right], [lane_1, lane_2], **private)
         lanes = [lane_1, lane_2, lane_ar]
@@ -169,13 +170,13 @@ def build() -> gr.Blocks:
         run_outputs += [record, run_json]
         run_opts = dict(concurrency_limit=1, concurrency_id="device", show_progress="hidden")
         run_opts["preprocess"] = False  # the handler checks every value itself, naming the field; nothing clamped
-        go = run_btn.click(line.arm, [left, right], waiting_outputs, **private)
+        go = run_btn.click(line.arm, [left, right], waiting_outputs, **quiet)
         go = go.then(runs.run_page, None, run_outputs, inputs_kwargs=run_form, api_visibility="private", **run_opts)
         reset_outputs = [v_lane, v_iter, v_tau, v_html, v_plot, wanted]
         shown = go.then(panel.verify_reset, [record, v_lane, wanted], reset_outputs, **private)
         shown.then(link.link_html, [record, v_lane, v_iter], v_link, **private)
         go.then(runs.race_after_run, record, race, **private)
-        stop_btn.click(line.stop, [left, right], waiting_outputs, **private)
+        stop_btn.click(line.stop, [left, right], waiting_outputs, **quiet)
         sampling = [pair, tau, greedy, temperature, top_k, top_p]
         fastest_opts = dict(concurrency_limit=1, concurrency_id="device", api_visibility="private")
         fastest_btn.click(fastest.fastest_page, sampling, [gamma, beams, message], **fastest_opts)

@@ -111,7 +111,11 @@ def test_cards_show_summarize_numbers_and_energy_na():
     html = cards.cards_html([lane])
     assert f"{m.block_efficiency:.3g}" in html and f"{m.acceptance:.1%}" in html
     assert f"{m.tokens_per_second:.3g}" in html and f"{m.perplexity:.3g}" in html
-    assert "n/a — no GPU" in html
+    assert '<div class="card-value na">n/a</div><div class="card-label">J/token</div>' in html
+    assert 'title="n/a: no GPU' in html  # why, on hover; the page's energy note says it in full once
+    stopped_ar = lane_of("ar", [])
+    stopped_ar.state = "stopped"
+    assert cards.versus_ar(stopped_ar.metrics(), stopped_ar, None)[0] == "—"  # Stop before AR ran: no "1×"
     lane.energy = LaneEnergy(available=True, reason="", joules=2.5, note=None)
     m = lane.metrics()
     assert m.joules_per_token == pytest.approx(2.5 / m.new_tokens)

@@ -16,22 +16,26 @@ def fmt(x: float | None, digits: int = 3) -> str:
     return f"{x:.{digits}g}" if abs(x) < 10**digits else f"{x:.0f}"
 
 
-def energy_text(m: Metrics, lane: LaneRecord) -> str:
-    """J/token, or why there is no number (never a made-up zero)."""
+def energy_text(m: Metrics, lane: LaneRecord) -> tuple[str, str]:
+    """(value, tooltip) of the J/token cell: the figure, or "n/a" with why in the tooltip (never a made-up
+    zero; the page's energy note says it once in full)."""
+    tip = "joules from the energy meter / new tokens"
     if m.joules_per_token is not None:
-        return f"{fmt(m.joules_per_token)} J"
+        return f"{fmt(m.joules_per_token)} J", tip
     if lane.state in ("waiting", "queued", "compiling"):
-        return "—"
+        return "—", tip
     if lane.energy.available and not lane.finished:
-        return "measuring…"
+        return "measuring…", tip
     if not lane.energy.available:
-        return f"n/a — {lane.energy.reason}"
-    return "n/a — " + (m.energy_note or "no reading")
+        return "n/a", f"n/a: {lane.energy.reason}"
+    return "n/a", "n/a: " + (m.energy_note or "no reading")
 
 
 def versus_ar(m: Metrics, lane: LaneRecord, ar: Metrics | None) -> tuple[str, str]:
     """(value, tooltip) of the card's "× AR" cell: this lane's speed over the AR lane's in the same run."""
     if lane.method == "ar":
+        if not lane.steps:
+            return "—", "the baseline had not run"
         return "1×", "the baseline: the target alone, one token per forward pass"
     if ar is None:
         return "—", "needs the AR lane of this same run (tick the AR baseline lane); shown once it has finished"
@@ -66,7 +70,7 @@ def card_html(lane: LaneRecord, ar: Metrics | None = None) -> str:
     rows = [
         ("× AR", times, tip),
         ("tokens/s", fmt(m.tokens_per_second), "new tokens / seconds of this lane's own work"),
-        ("J/token", energy_text(m, lane), "joules from the energy meter / new tokens"),
+        ("J/token", *energy_text(m, lane)),
         ("block efficiency", fmt(m.block_efficiency), "new tokens per target forward pass (AR = 1)"),
         ("acceptance", "—" if m.acceptance is None else f"{m.acceptance:.1%}", "accepted / drafted tokens"),
         ("perplexity", fmt(m.perplexity), "under the target, unwarped, T = 1"),
