@@ -423,8 +423,9 @@ def discard_broken_cache(exc: BaseException) -> str | None:
     from torch._inductor.utils import clear_caches
 
     cache = os.path.normpath(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir())
-    lines, seen = [], exc
-    while seen is not None and len(lines) < 1000:
+    lines, chain, seen = [], set(), exc
+    while seen is not None and id(seen) not in chain:  # causes can loop back: each exception once
+        chain.add(id(seen))
         lines += str(seen).splitlines()
         seen = seen.__cause__ or seen.__context__
     naming = [line.strip() for line in lines if os.path.join(cache, "") in line]
