@@ -134,10 +134,6 @@ def energy_tools(device: torch.device) -> tuple[object | None, object | None, st
     return meter, (sampler if sampler.available else None), ""
 
 
-class Stopped(Exception):
-    """Stop was pressed while the lane compiled, before its clock started."""
-
-
 class LaneWorker(threading.Thread):
     """Decodes one lane on the device, alone, and reports each Step through ``events``.
 
@@ -172,14 +168,12 @@ class LaneWorker(threading.Thread):
         energy = LaneEnergy(available=meter is not None, reason=reason or "")
         state, error, n, started = "done", None, 0, False
         try:
-            if self.cancel.is_set():
+            if not self.cancel.is_set() and needs_warm_up(self.pair, self.settings):
+                self.events.put(("compiling",))
+                warm_up_settings(self.pair, self.settings)  # untimed: the clock is the decoder's alone
+            if self.cancel.is_set():  # Stop pressed before the lane started (or while it compiled)
                 state = "stopped"
             else:
-                if needs_warm_up(self.pair, self.settings):
-                    self.events.put(("compiling",))
-                    warm_up_settings(self.pair, self.settings)  # untimed: the clock is the decoder's alone
-                if self.cancel.is_set():
-                    raise Stopped
                 self.events.put(("started", LaneEnergy(available=energy.available, reason=energy.reason)))
                 started, self.sampler = True, sampler
                 if meter is not None:
@@ -193,8 +187,6 @@ class LaneWorker(threading.Thread):
                     if self.cancel.is_set():
                         state = "stopped"
                         break
-        except Stopped:
-            state = "stopped"
         except torch.cuda.OutOfMemoryError:
             state, error = "error", OOM_MESSAGE  # memory is released below, once the traceback is gone
         except ValueError as exc:
