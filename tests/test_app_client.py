@@ -352,7 +352,7 @@ def test_a_lane_compiles_its_decoder_before_its_clock_starts(close_pair):
 
     import torch
 
-    from mtad.decoding.static_lm import WARMED
+    from mtad.decoding.static_lm import WARMED, warm_up_pair
     from mtad.ui import runner
     from mtad.ui.record import LaneRecord, RunRecord
 
@@ -360,6 +360,7 @@ def test_a_lane_compiles_its_decoder_before_its_clock_starts(close_pair):
     compiled = dataclasses.replace(close_pair, engine="compiled")
     torch._dynamo.reset()
     WARMED.pop(compiled.target, None)
+    warm_up_pair(compiled, settings.gamma + 1)  # as the page does when it loads a pair
     ids = close_pair.encode("abc def")
 
     def states(pair) -> list[str]:  # noqa: ANN001

@@ -21,7 +21,7 @@ from test_tree import check_tree_forward
 
 from mtad.decoding import generate
 from mtad.decoding.state import CachedLM, DecodeState, draft_lm
-from mtad.decoding.static_lm import WARMED, StaticLM, needs_warm_up, warm_up_settings
+from mtad.decoding.static_lm import WARMED, StaticLM, needs_warm_up, warm_up_pair, warm_up_settings
 from mtad.models.errors import PairError
 from mtad.models.kernels import candidates, use_linear_kernel
 from mtad.models.shortlist_draft import int8_kernel_input
@@ -292,6 +292,7 @@ def test_a_warm_up_compiles_every_shape_a_timed_generation_then_asks(close_pair,
     torch._dynamo.reset()
     WARMED.pop(compiled.target, None)
     assert needs_warm_up(compiled, settings) and not needs_warm_up(close_pair, settings)
+    warm_up_pair(compiled, settings.gamma + 1)  # as the page's load and generate do first
     assert warm_up_settings(compiled, settings)
     assert not needs_warm_up(compiled, settings) and not warm_up_settings(compiled, settings)
     assert not needs_warm_up(compiled, settings.with_(tau=0.5, seed=9, max_new_tokens=7))
@@ -868,7 +869,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from mtad.decoding.state import CachedLM
-from mtad.decoding.static_lm import WARMED, StaticLM, needs_warm_up, warm_up_settings
+from mtad.decoding.static_lm import WARMED, StaticLM, needs_warm_up, warm_up_pair, warm_up_settings
 from mtad.models.kernels import use_linear_kernel
 
 torch.manual_seed(0)

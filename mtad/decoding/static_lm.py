@@ -423,9 +423,10 @@ def needs_warm_up(pair: ModelPair, settings: Settings) -> bool:
 
 
 def warm_up_settings(pair: ModelPair, settings: Settings) -> bool:
-    """Before a timed generation on the compiled engine, compile what these settings ask that no earlier
-    generation in this process asked (a token tree's or several drafts' verification, the draft's
-    search): a short untimed generation, whole drafts then the shorter ones of its end. True when it ran;
+    """Before a timed generation on the compiled engine, after the pair's own warm-up (:func:`warm_up_pair`,
+    one sequence's shapes), compile what these settings ask that no earlier generation in this process
+    asked (a token tree's or several drafts' verification, the draft's search): a short untimed generation,
+    whole drafts then the shorter ones of its end. True when it ran;
     False on the eager engine and for settings already seen. Without it a decoder's first run reports
     its compile as its speed."""
     if not needs_warm_up(pair, settings):
@@ -433,7 +434,6 @@ def warm_up_settings(pair: ModelPair, settings: Settings) -> bool:
     from mtad.decoding import decode  # the decoders import this module
     from mtad.decoding.spec import spec_of
 
-    _warm_up_pair(pair, settings.gamma + 1)  # one sequence's shapes: at once where the pair's warm-up ran
     ids = pair.encode("Say hello.")
     for _ in decode(pair, ids, settings.with_(max_new_tokens=3 * (settings.gamma + 1), seed=0)):
         pass
