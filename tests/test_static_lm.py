@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -471,6 +472,56 @@ def test_a_library_truncated_in_inductor_s_cache_is_compiled_again(tiny_dirs, tm
     rebuilt = list((tmp_path / "inductor").rglob("*.so"))
     assert rebuilt and all(lib.stat().st_size > 0 for lib in rebuilt)
     assert [p.name for p in tmp_path.iterdir()] == ["inductor"]  # nothing set aside is left behind
+
+
+SECOND_MODEL_SYMBOLS = """
+import json, logging, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from conftest import make_model
+from mtad.decoding.static_lm import StaticLM
+made = []
+class Symbols(logging.Handler):
+    def emit(self, record):
+        text = record.getMessage()
+        source = text.split(" for ", 1)[-1].split(" ", 1)[0]
+        if text.startswith("create_symbol") and "size()" in source:  # a tensor's dimension, not a scalar
+            made.append(source)
+shapes = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+shapes.setLevel(logging.INFO)
+shapes.addHandler(Symbols())
+seen = []
+for hidden in (32, 48):
+    made.clear()
+    lm = StaticLM(make_model(97, hidden, 2, seed=0), 97)
+    lm.feed(torch.tensor([[1, 2, 3]]))
+    for n in (1, 2, 1):
+        lm.feed(torch.ones((1, n), dtype=torch.long), keep=n)
+        lm.rollback(3)
+    seen.append(sorted(set(made)))
+print(json.dumps(seen))
+"""
+
+
+def test_a_second_model_compiles_the_same_static_shapes_as_the_first(tmp_path) -> None:
+    """Two models of other widths in one process (the page's two pairs): the second's forwards compile for
+    its own shapes, not into graphs generic in every dimension that differed. Dynamo's automatic dynamic
+    shapes made them generic: SmolLM2's one-token forward after the embedded pair's took 215 ms, not 18.
+    The second model's tensors have the first's symbolic dimensions (the cache's capacity, the mask's span,
+    the token count), no more."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-c", SECOND_MODEL_SYMBOLS, str(ROOT / "tests")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    first, second = json.loads(done.stdout.splitlines()[-1])
+    assert first and any("mask" in source or "[3]" in source for source in first)  # the span: symbols are seen
+    assert second == first
 
 
 def test_only_a_failure_that_names_a_cached_file_discards_the_cache(tmp_path, monkeypatch) -> None:

@@ -32,6 +32,7 @@ from mtad.models.static_llama import (
     discard_broken_cache,
     gemv_layer_weights,
     gemv_tokens,
+    hold_widths,
     int8_layer_weights,
     layer_weights,
     llama_forward,
@@ -207,6 +208,8 @@ class StaticKV:
         self.base = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.keys, self.values = list(self.base[: self.layers].unbind(0)), list(self.base[self.layers :].unbind(0))
         for buf in self.keys + self.values:
+            torch._dynamo.mark_static(buf, 1)  # the heads and the head width are a model's (:func:`hold_widths`)
+            torch._dynamo.mark_static(buf, 3)
             torch._dynamo.mark_dynamic(buf, 2)  # a larger capacity is the same compiled graph
             if rows > 1:
                 torch._dynamo.mark_dynamic(buf, 0)  # so is another count of beams or drafts
@@ -236,6 +239,7 @@ class StaticLM:
         self.compile = compile  # False: the same forward, uncompiled (what a prefill runs)
         self.layers = [layer_weights(layer) for layer in model.model.layers]
         self.one_row, self.one_row_tokens = one_row_layers(model)
+        hold_widths(self.layers, self.one_row)
 
     @property
     def length(self) -> int:

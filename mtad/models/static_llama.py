@@ -117,6 +117,19 @@ LayerWeights = tuple[tuple[torch.Tensor, ...], str, tuple[int, ...]]
 :func:`gemv_layer_weights`), and the output width of each of q, k, v, o, gate, up and down."""
 
 
+def hold_widths(*parts: Any) -> None:
+    """Mark every tensor in ``parts`` (nested tuples and lists) static in dynamo's eyes: its shape is a model's
+    widths. Dynamo makes a dimension generic once a second call differs in it; the layer function is shared by
+    every model in the process, so without this a second model (the page's other pair) compiled graphs generic
+    in its widths: SmolLM2's one-token forward after the embedded pair's took 215 ms, not 18 (compiled 8 min).
+    Token and row counts may still turn generic, as within one model."""
+    for part in parts:
+        if isinstance(part, torch.Tensor):
+            torch._dynamo.mark_static(part)
+        elif isinstance(part, (tuple, list)):
+            hold_widths(*part)
+
+
 def head(model: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """What turns a model's final hidden states into its logits: a shortlist draft's logits over its
     shortlist (:mod:`mtad.models.shortlist_draft`), else the ``lm_head``; None when it has neither."""
@@ -573,10 +586,11 @@ def forward_part(
     return (h if end is None else logits_of(h[:, -keep:], end)), cos, sin
 
 
-RECOMPILE_LIMIT = 64
-"""Graphs dynamo keeps per compiled function (its default is 8): a forward has one per form, row count and
-token count; a fused rule (:mod:`mtad.decoding.fused`) one per combination of greedy or sampling, top-p and
-temperature on or off, τ below 1 or not, and a first and a dynamic shape."""
+RECOMPILE_LIMIT = 256
+"""Graphs dynamo keeps per compiled function (its default is 8): a forward has one per model width, form,
+row count and token count (a second pair in the process, the page's, adds its own); a fused rule
+(:mod:`mtad.decoding.fused`) one per combination of greedy or sampling, top-p and temperature on or off, τ
+below 1 or not, and a first and a dynamic shape. Past it dynamo runs the function uncompiled, silently."""
 
 REALIZE_REUSED = {"realize_reads_threshold": 1}
 """Inductor's options for every compiled forward: keep a value that several kernels read in a buffer. By
@@ -653,7 +667,10 @@ def llama_forward(
         h, cos, sin = ids.clone(), None if positions is slots else positions.clone(), None
     if compiled:
         cache_per_capability()
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        config = torch._dynamo.config
+        config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
+        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4 * RECOMPILE_LIMIT)
+        hold_widths(start, end)
         torch._dynamo.mark_dynamic(mask, 1)  # a longer context is the same graph
         if rows > 1:
             torch._dynamo.mark_dynamic(h, 0)  # and so is any count of rows from two on (beams, drafts)
