@@ -592,6 +592,11 @@ row count and token count (a second pair in the process, the page's, adds its ow
 (:mod:`mtad.decoding.fused`) one per combination of greedy or sampling, top-p and temperature on or off, τ
 below 1 or not, and a first and a dynamic shape. Past it dynamo runs the function uncompiled, silently."""
 
+torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+torch._dynamo.config.accumulated_recompile_limit = max(
+    torch._dynamo.config.accumulated_recompile_limit, 4 * RECOMPILE_LIMIT
+)
+
 REALIZE_REUSED = {"realize_reads_threshold": 1}
 """Inductor's options for every compiled forward: keep a value that several kernels read in a buffer. By
 default inductor inlines a cheap one into each reader: in the ``gemv`` form a reduction over a matrix then
@@ -667,9 +672,6 @@ def llama_forward(
         h, cos, sin = ids.clone(), None if positions is slots else positions.clone(), None
     if compiled:
         cache_per_capability()
-        config = torch._dynamo.config
-        config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
-        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4 * RECOMPILE_LIMIT)
         hold_widths(start, end)
         torch._dynamo.mark_dynamic(mask, 1)  # a longer context is the same graph
         if rows > 1:
