@@ -15,14 +15,22 @@ from pathlib import Path
 import pytest
 import torch
 import torch._dynamo
-from conftest import full_logits
+from conftest import cached_next_logits, full_logits
 from test_architectures import opt
 from test_shortlist_draft import micro_int8_pair  # noqa: F401 (a fixture, used by name)
 from test_tree import check_tree_forward
 
-from mtad.decoding import generate
+from mtad.decoding import generate, static_lm
 from mtad.decoding.state import CachedLM, DecodeState, draft_lm
-from mtad.decoding.static_lm import WARMED, StaticLM, needs_warm_up, warm_up_pair, warm_up_settings
+from mtad.decoding.static_lm import (
+    TREE_BUCKETS,
+    WARMED,
+    StaticLM,
+    needs_warm_up,
+    warm_up_pair,
+    warm_up_settings,
+)
+from mtad.decoding.tree import TokenTree, keep_path, tree_allow
 from mtad.models.errors import PairError
 from mtad.models.kernels import candidates, use_linear_kernel
 from mtad.models.shortlist_draft import int8_kernel_input
@@ -243,6 +251,78 @@ def test_row_operations_that_copy_only_what_differs_keep_the_eager_cache_s_logit
 
 def test_tree_verification_on_the_compiled_engine(tiny_pair) -> None:
     check_tree_forward(dataclasses.replace(tiny_pair, engine="compiled"))
+
+
+def random_tree(size: int, gen: torch.Generator, vocab: int) -> TokenTree:
+    """A token tree of ``size`` nodes, each a child of the context or of an earlier node, at random."""
+    tokens = torch.randint(1, vocab, (size,), generator=gen).tolist()
+    parents = [int(torch.randint(-1, i, (), generator=gen)) if i else -1 for i in range(size)]
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(depths[parent] + 1 if parent >= 0 else 0)
+    return TokenTree(tokens, parents, depths, paths=[])
+
+
+def path_to(tree: TokenTree, node: int) -> list[int]:
+    """The nodes from the context down to ``node``."""
+    path = [node]
+    while tree.parents[path[0]] >= 0:
+        path.insert(0, tree.parents[path[0]])
+    return path
+
+
+def check_trees(lm: StaticLM, pair, sizes: list[int], seed: int = 0) -> None:  # noqa: ANN001
+    """A random tree of each size over the same context: three nodes' logits equal a full recompute, and
+    after keeping one node's path the cache gives a full recompute's next logits."""
+    ids = pair.encode("abc de fgh bad cafe")
+    lm.feed(torch.tensor([ids]))
+    gen = torch.Generator().manual_seed(seed)
+    for size in sizes:
+        tree = random_tree(size, gen, pair.vocab_size)
+        positions = [len(ids) + d for d in tree.depths]
+        logits = lm.feed_masked(torch.tensor([tree.tokens]), positions, tree_allow(tree, len(ids), 0))[0]
+        assert logits.shape[0] == size and lm.length == len(ids) + size
+        for node in torch.randint(0, size, (3,), generator=gen).tolist():
+            want = full_logits(pair.target, ids + [tree.tokens[i] for i in path_to(tree, node)])
+            torch.testing.assert_close(logits[node], want, rtol=1e-4, atol=1e-4)
+        path = path_to(tree, size - 1)
+        keep_path(lm, len(ids), path)
+        kept = ids + [tree.tokens[i] for i in path] + [3]
+        torch.testing.assert_close(cached_next_logits(lm, kept), full_logits(pair.target, kept), rtol=1e-4, atol=1e-4)
+        lm.rollback(len(ids))
+
+
+def test_tree_forwards_from_graphs_run_padded_to_a_few_sizes(monkeypatch: pytest.MonkeyPatch, tiny_pair) -> None:
+    """Where forwards replay CUDA graphs (plain calls here), a token tree's forward runs padded to one of a
+    few sizes: trees of 1 to 40 tokens take five shapes, not forty, and give a full recompute's logits; the
+    padding's keys, written past the cache's length, change no later forward."""
+    monkeypatch.setattr("mtad.decoding.static_lm.graphs_enabled", lambda device: True)
+    lm = StaticLM(tiny_pair.target, tiny_pair.vocab_size, compile=False)
+    assert lm.graphs is not None
+    sizes: list[int] = []  # the token count of every forward through the graphs' fixed inputs
+    run = lm.graphs.run
+    monkeypatch.setattr(lm.graphs, "run", lambda key, *args, **kw: sizes.append(key[1]) or run(key, *args, **kw))
+    check_trees(lm, tiny_pair, list(range(1, 41)))
+    masked = set(sizes) - {1}  # besides the one-token feeds of the checks
+    assert masked == {8, 16, 24, 32, 48} and masked <= set(TREE_BUCKETS)
+
+
+def test_trees_past_the_verification_s_token_count_run_compiled(monkeypatch: pytest.MonkeyPatch, tiny_pair) -> None:
+    """On a CPU a tree is not padded, and one of more tokens than a verification's compiled bound (MTAD-tree's
+    W = 8 beams of γ = 4 are up to 33) still runs in the compiled graph, with a full recompute's logits."""
+    calls: list[tuple[int, bool]] = []
+    forward = static_lm.llama_forward
+
+    def spy(model, ids, *args, compiled: bool = True, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        calls.append((ids.shape[1], compiled))
+        return forward(model, ids, *args, compiled=compiled, **kwargs)
+
+    monkeypatch.setattr(static_lm, "llama_forward", spy)
+    lm = StaticLM(tiny_pair.target, tiny_pair.vocab_size)
+    assert lm.graphs is None
+    sizes = [static_lm.COMPILED_TOKENS + 4, 33]
+    check_trees(lm, tiny_pair, sizes, seed=1)
+    assert [(n, c) for n, c in calls if n in sizes] == [(n, True) for n in sizes]
 
 
 GREEDY = [

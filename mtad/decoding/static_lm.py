@@ -4,12 +4,13 @@
 for token trees, rollback, the cache's row and position operations), with
 :func:`mtad.models.static_llama.llama_forward` over :class:`StaticKV`'s buffers. Only the shapes decoding
 repeats are compiled: up to :data:`COMPILED_TOKENS` tokens in up to :data:`COMPILED_ROWS` rows (one new
-token, a verification of γ + 1 tokens or a token tree, beams); a prompt's prefill runs the same function
-uncompiled. The attended length is dynamic (marked so before the first compile), so a growing context
-never recompiles, and so is the row count from two rows on (any beam width is one graph); each new
-(one row or several, tokens) shape compiles once per process. Rolling back is moving the length: slots
-past it are masked and overwritten. On CUDA those repeated forwards replay CUDA graphs
-(:mod:`mtad.decoding.graphs`) over buffers kept on the model between generations.
+token, a verification of γ + 1 tokens, beams), a token tree's verification up to :data:`TREE_TOKENS`; a
+prompt's prefill runs the same function uncompiled. The attended length is dynamic (marked so before the
+first compile), so a growing context never recompiles, and so is the row count from two rows on (any beam
+width is one graph); each new (one row or several, tokens) shape compiles once per process. Rolling back is
+moving the length: slots past it are masked and overwritten. On CUDA those repeated forwards replay CUDA
+graphs (:mod:`mtad.decoding.graphs`) over buffers kept on the model between generations, a token tree's
+padded to a few sizes (:data:`TREE_BUCKETS`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,15 @@ from mtad.settings import Settings
 log = logging.getLogger(__name__)
 COMPILED_TOKENS = FEW_QUERIES
 COMPILED_ROWS = 16
+TREE_TOKENS = 64
+"""The most tokens a token tree's verification (the pending context, then every node) runs compiled: W = 8
+beams of γ = 4 are up to 33, and trees of 17-31 tokens were most of MTAD-tree's verifications on SmolLM2.
+Past :data:`COMPILED_TOKENS` one graph, dynamic in the token count, serves them all on a CPU."""
+TREE_BUCKETS = (8, 16, 24, 32, 48, 64)
+"""The sizes a token tree's forward is padded to where forwards replay CUDA graphs (each shape a capture of
+its own, and a tree's size changes every iteration): at most six captures, not one for every size up to
+:data:`TREE_TOKENS`. A GPU runs a few more tokens in the same time; a CPU's cost grows with each token, so
+there trees are not padded."""
 CAPACITY_STEP = 256
 GRAPH_CAPACITY_STEP = 2048
 """With CUDA graphs a forward attends over the whole capacity, and a larger one is captured anew: steps of
@@ -262,8 +272,20 @@ class StaticLM:
     @torch.inference_mode()
     def feed_masked(self, tokens: torch.Tensor, positions: list[int], allow: torch.Tensor) -> torch.Tensor:
         """Run ``tokens`` [1, n] at rotary ``positions`` with ``allow`` [n, past + n] (True = attend), e.g. a
-        token tree; fp32 logits of every position [1, n, V]."""
-        return self._run(tokens, torch.tensor(positions), allow, tokens.shape[1])
+        token tree; fp32 logits of every position [1, n, V]. Replayed from CUDA graphs, the forward runs
+        padded to one of :data:`TREE_BUCKETS` (:func:`pad_tree`); the cache then holds the n tokens only."""
+        n = tokens.shape[1]
+        size = self._tree_size(n)
+        if size > n:
+            tokens, positions, allow = pad_tree(tokens, positions, allow, size)
+        return self._run(tokens, torch.tensor(positions), allow, size, most=TREE_TOKENS, held=n)[:, :n]
+
+    def _tree_size(self, n: int) -> int:
+        """How many tokens a tree forward of ``n`` runs: the smallest bucket that holds them where forwards
+        replay graphs and this one would (a context is cached), else ``n``."""
+        if self.graphs is None or not self.cache.length:
+            return n
+        return next((b for b in TREE_BUCKETS if b >= n), n)
 
     def _run(
         self,
@@ -272,12 +294,17 @@ class StaticLM:
         allow: torch.Tensor | None,
         keep: int,
         columns: bool = False,
+        most: int = COMPILED_TOKENS,
+        held: int | None = None,
     ) -> torch.Tensor:
-        """One forward; ``positions`` and ``allow`` None: the next positions, causal attention."""
+        """One forward; ``positions`` and ``allow`` None: the next positions, causal attention. Compiled
+        (and from graphs) when a context is cached and it has at most ``most`` tokens; ``held``: how many of
+        the tokens the cache holds afterwards (the rest were padding), all of them when None."""
         rows, n = tokens.shape
         past = self.cache.length
+        held = n if held is None else held
         self.cache.reserve(rows, past + n)  # from one row to several, this fans the context out
-        repeated = past > 0 and n <= COMPILED_TOKENS and rows <= COMPILED_ROWS
+        repeated = past > 0 and n <= most and rows <= COMPILED_ROWS
         compiled = self.compile and repeated
         layers = self.one_row if self.one_row is not None and rows == 1 and n <= self.one_row_tokens else self.layers
         cache = self.cache
@@ -296,13 +323,28 @@ class StaticLM:
             slots = torch.arange(past, past + n, device=dev)
             pos = slots if positions is None else to_device(positions, dev)
             logits = forward(tokens, pos, slots, to_device(allow, dev))
-        self.cache.wrote(past + n)
+        self.cache.wrote(past + held)
         if cache.tokens is not None:
-            cache.tokens.write(tokens, past)
+            cache.tokens.write(tokens[:, :held], past)
         if self.columns is None or columns:
             return logits[..., : self.vocab].float()
         full = logits.new_full((*logits.shape[:-1], self.vocab), float("-inf"), dtype=torch.float32)
         return full.index_copy_(-1, self.columns, logits.float())
+
+
+def pad_tree(
+    tokens: torch.Tensor, positions: list[int], allow: torch.Tensor, size: int
+) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    """A masked forward's inputs (:meth:`StaticLM.feed_masked`) padded to ``size`` tokens: each padding
+    token attends to itself only and no real token attends to it, so the real tokens' logits and keys are
+    the unpadded forward's; its keys land in slots past the cache's length, masked and overwritten later."""
+    n = tokens.shape[1]
+    past = allow.shape[1] - n
+    padded = torch.zeros(size, past + size, dtype=torch.bool, device=allow.device)
+    padded[:n, : past + n] = allow
+    padded[n:, past + n :] = torch.eye(size - n, dtype=torch.bool, device=allow.device)
+    extra = tokens.new_zeros(tokens.shape[0], size - n)
+    return torch.cat([tokens, extra], dim=1), positions + [positions[-1]] * (size - n), padded
 
 
 def one_row_layers(model: torch.nn.Module) -> tuple[list | None, int]:
@@ -357,12 +399,13 @@ def warm_up(
     verification up to γ = tokens − 1) before anyone waits on them; the seconds it took. They keep the logits
     of every new token (a verification's), or with ``keep_all`` False of the last (a draft's step): the head
     runs in the compiled graph, so each is a graph of its own. ``tree``: one row's masked forwards at given
-    positions instead (:meth:`StaticLM.feed_masked`, a token tree's verification: graphs of their own)."""
+    positions instead, up to :data:`TREE_TOKENS` (:meth:`StaticLM.feed_masked`, a token tree's verification:
+    graphs of their own)."""
     t0 = time.perf_counter()
     lm = StaticLM(model, vocab)
     device = lm.cache.device
     lm.feed(torch.zeros((rows, 1), dtype=torch.long, device=device))  # a context: compiled shapes follow one
-    for n in range(1, min(tokens, COMPILED_TOKENS) + 1):
+    for n in range(1, min(tokens, TREE_TOKENS if tree else COMPILED_TOKENS) + 1):
         ids = torch.zeros((rows, n), dtype=torch.long, device=device)
         if tree:
             with torch.inference_mode():  # as the decoders make the mask: the graphs guard on it
