@@ -5,6 +5,8 @@ safetensors original (tokenizer ids, logits, greedy decoding)."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -138,6 +140,37 @@ def test_an_unwritable_cache_falls_back_to_the_gguf_file(gguf_file: Path, tmp_pa
     assert materialize(gguf_file) is None
     pair = load(str(MODELS / "draft"), str(gguf_file), device="cpu", dtype="float32")
     assert pair.target.name_or_path == str(gguf_file.parent)
+
+
+def test_the_same_gguf_reinstalled_reuses_one_copy_and_old_copies_go(
+    gguf_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cache is keyed by the file's bytes: the same GGUF installed again elsewhere, later (a new virtual
+    environment), finds the copy the first install wrote, and a changed file gets its own. Writing a copy
+    removes that file's copies under the old size-and-time key, and nothing else in the cache."""
+    monkeypatch.setenv("MTAD_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "cache" / "gguf"
+    size = gguf_file.stat().st_size
+    old = [folder / f"{gguf_file.stem}-{size}-{1795845253 + i}" for i in range(2)]
+    kept = [folder / f"other-model-{size}-1795845253", folder / f"{gguf_file.stem}-sha256-0123456789abcdef"]
+    for path in old + kept:
+        path.mkdir(parents=True)
+        (path / "model.safetensors").write_bytes(b"stale")
+    first = materialize(gguf_file)
+    assert first is not None and (first / "model.safetensors").stat().st_size > 1000
+    assert not any(p.exists() for p in old) and all(p.exists() for p in kept)
+    again = tmp_path / "venv2" / gguf_file.name
+    again.parent.mkdir()
+    shutil.copyfile(gguf_file, again)
+    os.utime(again, (gguf_file.stat().st_atime, gguf_file.stat().st_mtime + 3600))
+    assert cached_dir(again) == first and materialize(again) == first
+    changed = tmp_path / "venv3" / gguf_file.name
+    changed.parent.mkdir()
+    data = bytearray(gguf_file.read_bytes())
+    data[-1] ^= 1  # one bit of the last tensor
+    changed.write_bytes(bytes(data))
+    assert cached_dir(changed) != first
+    assert sorted(p.name for p in folder.iterdir()) == sorted([first.name] + [p.name for p in kept])
 
 
 @pytest.fixture(scope="module")
