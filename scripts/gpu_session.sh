@@ -34,11 +34,14 @@ step() {  # step NAME SECONDS COMMAND...: its output in $out/NAME.txt, ending wi
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 } > "$out/device.txt"
 cat "$out/device.txt"
-step tests 150 python3 -m pytest -q -rs -p no:cacheprovider tests/test_syncs.py tests/test_energy.py \
+step tests 120 python3 -m pytest -q -rs -p no:cacheprovider tests/test_syncs.py tests/test_energy.py \
   tests/test_static_lm.py -k "cuda or sync or nvml or tree or fixed_input"
-step bench-compiled 200 python3 -m mtad.bench --pair smollm2 --device "$device" --engine compiled \
+step equal 90 bash -c 'for e in compiled eager; do MTAD_DTYPE=float32 python3 -m mtad generate --pair smollm2 \
+  --device "$0" --engine $e --method mtad --greedy --max-new-tokens 64 --prompt "Write a haiku about the sea." \
+  --json | python3 -c "import json, sys; print(sys.argv[1], json.load(sys.stdin)[\"new_ids\"])" $e; done' "$device"
+step bench-compiled 180 python3 -m mtad.bench --pair smollm2 --device "$device" --engine compiled \
   --methods ar,sd,mtad,mtad-tree,specinfer --seeds 0 --limit "$limit" --no-progress --out /tmp/bench-compiled
 cp /tmp/bench-compiled/bench.json "$out/bench-compiled.json" 2>/dev/null
 step bench-eager 90 python3 -m mtad.bench --pair smollm2 --device "$device" --engine eager \
   --methods ar,mtad-tree,specinfer --seeds 0 --limit "$((limit < 6 ? limit : 6))" --no-progress --out /tmp/bench-eager
-step tuning 90 python3 -m mtad.tuning show --pair smollm2 --device "$device"
+step tuning 80 python3 -m mtad.tuning show --pair smollm2 --device "$device"
