@@ -36,7 +36,7 @@ step() {  # step NAME SECONDS COMMAND...: its output in $out/NAME.txt, ending wi
 cat "$out/device.txt"
 step tests 120 python3 -m pytest -q -rs -p no:cacheprovider tests/test_syncs.py tests/test_energy.py \
   tests/test_static_lm.py -k "cuda or sync or nvml or tree or fixed_input"
-step equal 90 bash -c 'for e in compiled eager; do MTAD_DTYPE=float32 python3 -m mtad generate --pair smollm2 \
+step equal 120 bash -c 'for e in compiled eager; do MTAD_DTYPE=float32 python3 -m mtad generate --pair smollm2 \
   --device "$0" --engine $e --method mtad --greedy --max-new-tokens 64 --prompt "Write a haiku about the sea." \
   --json | python3 -c "import json, sys; print(sys.argv[1], json.load(sys.stdin)[\"new_ids\"])" $e; done' "$device"
 step bench-compiled 180 python3 -m mtad.bench --pair smollm2 --device "$device" --engine compiled \
