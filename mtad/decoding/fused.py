@@ -23,15 +23,13 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import torch
 import torch._dynamo
 
-from mtad.models.static_llama import RECOMPILE_LIMIT
+import mtad.models.static_llama  # noqa: F401  (importing it raises dynamo's graph limits, RECOMPILE_LIMIT)
 
 if TYPE_CHECKING:
     from mtad.models.pair import ModelPair
 
 R = TypeVar("R")
 log = logging.getLogger(__name__)
-
-torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
 
 
 def fused_enabled(pair: ModelPair) -> bool:
@@ -44,7 +42,7 @@ def fused_enabled(pair: ModelPair) -> bool:
 class Fused(Generic[R]):
     """A function that runs compiled (``fullgraph``: one graph, no host read) when called with
     ``fuse=True``, as written otherwise. Should compiling it fail (more settings than
-    :data:`RECOMPILE_LIMIT` graphs, say), it runs as written from then on: slower, never wrong."""
+    :data:`~mtad.models.static_llama.RECOMPILE_LIMIT` graphs, say), it runs as written from then on: slower, never wrong."""
 
     def __init__(self, fn: Callable[..., R]) -> None:
         self.eager = fn

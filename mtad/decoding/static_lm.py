@@ -44,15 +44,15 @@ from mtad.settings import Settings
 log = logging.getLogger(__name__)
 COMPILED_TOKENS = FEW_QUERIES
 COMPILED_ROWS = 16
-TREE_TOKENS = 64
-"""The most tokens a token tree's verification (the pending context, then every node) runs compiled: W = 8
-beams of γ = 4 are up to 33, and trees of 17-31 tokens were most of MTAD-tree's verifications on SmolLM2.
-Past :data:`COMPILED_TOKENS` one graph, dynamic in the token count, serves them all on a CPU."""
 TREE_BUCKETS = (8, 16, 24, 32, 48, 64)
 """The sizes a token tree's forward is padded to where forwards replay CUDA graphs (each shape a capture of
 its own, and a tree's size changes every iteration): at most six captures, not one for every size up to
 :data:`TREE_TOKENS`. A GPU runs a few more tokens in the same time; a CPU's cost grows with each token, so
 there trees are not padded."""
+TREE_TOKENS = TREE_BUCKETS[-1]
+"""The most tokens a token tree's verification (the pending context, then every node) runs compiled: W = 8
+beams of γ = 4 are up to 33, and trees of 17-31 tokens were most of MTAD-tree's verifications on SmolLM2.
+Past :data:`COMPILED_TOKENS` one graph, dynamic in the token count, serves them all on a CPU."""
 CAPACITY_STEP = 256
 GRAPH_CAPACITY_STEP = 2048
 """With CUDA graphs a forward attends over the whole capacity, and a larger one is captured anew: steps of
@@ -273,12 +273,14 @@ class StaticLM:
     def feed_masked(self, tokens: torch.Tensor, positions: list[int], allow: torch.Tensor) -> torch.Tensor:
         """Run ``tokens`` [1, n] at rotary ``positions`` with ``allow`` [n, past + n] (True = attend), e.g. a
         token tree; fp32 logits of every position [1, n, V]. Replayed from CUDA graphs, the forward runs
-        padded to one of :data:`TREE_BUCKETS` (:func:`pad_tree`); the cache then holds the n tokens only."""
-        n = tokens.shape[1]
+        padded to one of :data:`TREE_BUCKETS` (:func:`pad_tree`), and the padding is rolled back after it."""
+        n, past = tokens.shape[1], self.cache.length
         size = self._tree_size(n)
         if size > n:
             tokens, positions, allow = pad_tree(tokens, positions, allow, size)
-        return self._run(tokens, torch.tensor(positions), allow, size, most=TREE_TOKENS, held=n)[:, :n]
+        logits = self._run(tokens, torch.tensor(positions), allow, size, most=TREE_TOKENS)
+        self.rollback(past + n)
+        return logits[:, :n]
 
     def _tree_size(self, n: int) -> int:
         """How many tokens a tree forward of ``n`` runs: the smallest bucket that holds them where forwards
@@ -295,14 +297,11 @@ class StaticLM:
         keep: int,
         columns: bool = False,
         most: int = COMPILED_TOKENS,
-        held: int | None = None,
     ) -> torch.Tensor:
         """One forward; ``positions`` and ``allow`` None: the next positions, causal attention. Compiled
-        (and from graphs) when a context is cached and it has at most ``most`` tokens; ``held``: how many of
-        the tokens the cache holds afterwards (the rest were padding), all of them when None."""
+        (and from graphs) when a context is cached and it has at most ``most`` tokens."""
         rows, n = tokens.shape
         past = self.cache.length
-        held = n if held is None else held
         self.cache.reserve(rows, past + n)  # from one row to several, this fans the context out
         repeated = past > 0 and n <= most and rows <= COMPILED_ROWS
         compiled = self.compile and repeated
@@ -323,9 +322,9 @@ class StaticLM:
             slots = torch.arange(past, past + n, device=dev)
             pos = slots if positions is None else to_device(positions, dev)
             logits = forward(tokens, pos, slots, to_device(allow, dev))
-        self.cache.wrote(past + held)
+        self.cache.wrote(past + n)
         if cache.tokens is not None:
-            cache.tokens.write(tokens[:, :held], past)
+            cache.tokens.write(tokens, past)
         if self.columns is None or columns:
             return logits[..., : self.vocab].float()
         full = logits.new_full((*logits.shape[:-1], self.vocab), float("-inf"), dtype=torch.float32)
