@@ -79,7 +79,11 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 def load_pair_from_args(args: argparse.Namespace):  # noqa: ANN201
     """The pair the flags name: --draft/--target together, else --pair, else the default preset; on the
     CPU it then runs on the thread count its target's products measure fastest on (``choose_threads``)."""
+    from mtad.models.devices import bf16_note
+
     pair = _load_pair_from_args(args)
+    if note := bf16_note(pair.device, pair.dtype):
+        print(f"note: {note}", file=sys.stderr)
     if pair.device.type == "cpu":
         from mtad.models.kernels import choose_threads
 

@@ -791,6 +791,8 @@ def test_the_environment_names_the_run_as_it_ran(tiny_pair, tiny_dirs):
 def test_the_environment_names_emulated_instruction_sets(tiny_pair, monkeypatch):
     from mtad.bench.report import environment
 
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)  # this process may run capped already
+    monkeypatch.delenv("MKL_ENABLE_INSTRUCTIONS", raising=False)
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     env = environment(tiny_pair, [], None, "none", None)
     assert env["cpu_flags"][-1] == "ONEDNN_MAX_CPU_ISA=AVX2"

@@ -34,6 +34,7 @@ def two_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
 def cpu_caps(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
     def set_caps(**flags: bool) -> None:
         monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx512": True, **flags})
+        monkeypatch.setattr(devices_mod, "onednn_runs", lambda dtype: True)  # no cap on the instruction sets
 
     return set_caps
 
@@ -102,6 +103,7 @@ def test_cpu_bf16_from_cpuinfo_where_torch_cannot_say(
     monkeypatch: pytest.MonkeyPatch, tmp_path, text, expected
 ) -> None:
     monkeypatch.delattr(torch.cpu, "get_capabilities")
+    monkeypatch.setattr(devices_mod, "onednn_runs", lambda dtype: True)
     info = tmp_path / "cpuinfo"
     info.write_text(text)
     assert cpu_has_native_bf16(info) is expected
@@ -249,3 +251,36 @@ def test_first_device_is_accelerates_main_device() -> None:
     assert devices_mod.first_device(types.SimpleNamespace(hf_device_map=offloaded)) == torch.device("cuda:1")
     on_cpu = {"model.embed_tokens": "cpu", "lm_head": "disk"}
     assert devices_mod.first_device(types.SimpleNamespace(hf_device_map=on_cpu)) == CPU
+
+
+def test_without_onednn_s_bf16_path_bf16_is_not_native_and_auto_picks_fp32(
+    monkeypatch: pytest.MonkeyPatch, cpu_caps
+) -> None:
+    """An AVX-512 or AMX CPU capped to AVX2 (``ONEDNN_MAX_CPU_ISA=AVX2``) has the flags but not the path."""
+    monkeypatch.delenv("MTAD_DTYPE", raising=False)
+    cpu_caps(amx_bf16=True, avx512_bf16=True)
+    monkeypatch.setattr(devices_mod, "onednn_runs", lambda dtype: dtype == torch.float32)
+    assert auto_dtype(CPU) == torch.float32
+    note = devices_mod.bf16_note(CPU, torch.bfloat16)
+    assert note is not None and "no native bf16" in note and "--dtype float32" in note
+    assert devices_mod.bf16_note(CPU, torch.float32) is None
+
+
+def test_onednn_runs_fp32_where_torch_has_onednn_and_bf16_as_onednn_itself_says() -> None:
+    assert devices_mod.onednn_runs(torch.float32) == torch.backends.mkldnn.is_available()
+    native = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert devices_mod.onednn_runs(torch.bfloat16) == native
+    assert not devices_mod.onednn_runs(torch.float16)
+
+
+def test_bf16_asked_for_on_a_cpu_without_native_bf16_runs_and_says_so(
+    tiny_dirs, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """``--dtype bfloat16`` where bf16 is not native: the pair loads on a kernel that runs it, decodes, and
+    the command line says why fp32 would be faster."""
+    monkeypatch.setattr(devices_mod, "cpu_has_native_bf16", lambda cpuinfo=None: False)
+    draft, target = tiny_dirs
+    code = main(["generate", "--draft", draft, "--target", target, "--device", "cpu", "--dtype", "bfloat16",
+                 "--prompt", "abc", "--max-new-tokens", "4", "--method", "mtad"])  # fmt: skip
+    assert code == 0
+    assert "no native bf16" in capsys.readouterr().err

@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from conftest import full_logits
+from conftest import full_logits, needs_onednn_bf16
 from torch import nn
 from torch.nn import functional as F
 
@@ -36,7 +36,7 @@ def test_onednn_product_equals_f_linear_in_fp32(rows: int, bias: bool) -> None:
     assert not torch.equal(got, torch.zeros_like(got))
 
 
-@needs_onednn
+@needs_onednn_bf16
 def test_onednn_product_in_bf16_is_one_rounding_from_the_exact_product() -> None:
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(96, 64, generator=gen).bfloat16()
@@ -104,7 +104,7 @@ def test_swapping_keeps_parameters_ties_and_values() -> None:
 
 
 @needs_onednn
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=needs_onednn_bf16)])
 def test_a_pair_on_onednn_keeps_its_logits(tiny_dirs, monkeypatch: pytest.MonkeyPatch, dtype) -> None:
     """The prepacked kernel changes the speed, not the model: logits match the plain kernel's."""
     monkeypatch.setenv("MTAD_CPU_LINEAR", "mkl")
@@ -197,3 +197,27 @@ def test_the_thread_count_is_measured_or_taken_from_the_environment(
             assert sorted(set(calls)) == [cores - 1, cores] and len(calls) == 4, calls
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_cpu_without_onednn_s_bf16_path_is_never_offered_it(tiny_dirs, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where oneDNN cannot run bf16 (an AVX2-only CPU), no kernel choice reaches its bf16 reorder: auto
+    picks among the others, naming it is refused with the reason, and a oneDNN layer moved to bf16 runs
+    PyTorch's own product."""
+    monkeypatch.setattr(kernels, "onednn_runs", lambda dtype: dtype == torch.float32)
+    assert "onednn" not in candidates(torch.bfloat16) and "onednn" in candidates(torch.float32)
+    model = nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 64)).bfloat16()
+    with pytest.raises(ValueError, match=r"onednn linear kernel cannot run torch.bfloat16 here: oneDNN's bf16 path"):
+        use_linear_kernel(model, "onednn")
+    with pytest.raises(ValueError, match="cannot run torch.bfloat16 here"):
+        product("onednn", model[0].weight)
+    monkeypatch.delenv("MTAD_CPU_LINEAR", raising=False)
+    assert choose(model) in ("mkl", "stationary")
+    monkeypatch.setenv("MTAD_CPU_LINEAR", "onednn")
+    with pytest.raises(PairError, match="MTAD_CPU_LINEAR=onednn cannot run torch.bfloat16 here"):
+        load(*tiny_dirs, device="cpu", dtype="bfloat16")
+    layer = OneDNNLinear(nn.Linear(64, 32))
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", None)  # reordering again would fail
+    layer.bfloat16()
+    x = torch.randn(3, 64).bfloat16()
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=0, atol=0)

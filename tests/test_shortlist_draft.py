@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_model, make_tokenizer, save_pair
+from conftest import make_model, make_tokenizer, needs_onednn_bf16, save_pair
 from test_sd_distribution import ALPHA, RUNS, exact_first_two, gof_pvalue, sampled_first_two
 from torch.nn import functional as F
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
@@ -274,7 +274,7 @@ def test_an_int8_draft_keeps_caches_and_greedy_exact(
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs PyTorch built with oneDNN")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_onednn_bf16)])
 def test_int8_layers_multiply_with_the_kernel_chosen_for_the_model(dtype: torch.dtype) -> None:
     """Under oneDNN an int8 layer's several-row product multiplies the prepacked dequantised matrix: the
     same product as the plain one, and the kernel choice probes that matrix's shape."""

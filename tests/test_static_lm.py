@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch._dynamo
-from conftest import cached_next_logits, full_logits
+from conftest import cached_next_logits, full_logits, needs_onednn_bf16
 from test_architectures import opt
 from test_shortlist_draft import micro_int8_pair  # noqa: F401 (a fixture, used by name)
 from test_tree import check_tree_forward
@@ -339,15 +339,23 @@ GREEDY = [
 
 def test_decoders_on_the_compiled_engine_give_the_eager_engine_s_text_and_never_recompile(close_pair) -> None:
     """Every decoder writes on the compiled engine what it writes on the eager one (greedy, and sampled with
-    the same seed), so the exact ones equal greedy AR; a second prompt, with a different context length,
-    runs on the shapes the first compiled: no recompilation."""
+    the same seed), so the exact ones equal greedy AR; after the engine's warm-ups (the pair's, then each
+    setting's, as the page and the bench run them), two prompts of different lengths run on the shapes they
+    compiled: no recompilation. (A CPU whose one-row forwards of up to six tokens take the ``gemv`` form,
+    AVX2 in fp32, has a graph for each of those token counts: which ones a prompt meets varies, the warm-up
+    compiles them all.)"""
     compiled = dataclasses.replace(close_pair, engine="compiled")
     torch._dynamo.reset()
+    static_lm.WARMED.pop(compiled.target, None)
+    every = GREEDY + [dataclasses.replace(s, greedy=False, seed=3) for s in GREEDY[1:3]]
+    warm_up_pair(compiled, max(s.gamma for s in every) + 1)
+    for settings in every:
+        warm_up_settings(compiled, settings)
     for prompt in ("abc def", "abc def gh abc bad cafe fed"):
         ar = generate(close_pair, prompt, GREEDY[0]).new_ids
         assert len(ar) > 10
-        for settings in GREEDY + [dataclasses.replace(s, greedy=False, seed=3) for s in GREEDY[1:3]]:
-            with torch._dynamo.config.patch(error_on_recompile=prompt != "abc def"):
+        for settings in every:
+            with torch._dynamo.config.patch(error_on_recompile=True):
                 got = generate(compiled, prompt, settings).new_ids
             assert got == generate(close_pair, prompt, settings).new_ids, settings
             if settings.greedy and settings.method in ("ar", "sd", "specinfer", "spectr", "bild"):
@@ -655,6 +663,12 @@ def gemv_up_to(monkeypatch: pytest.MonkeyPatch, tokens: int) -> None:
         monkeypatch.setattr(f"{where}.gemv_tokens", lambda dtype: tokens)
 
 
+ONEDNN_REASON = {
+    torch.float32: "needs PyTorch built with oneDNN",
+    torch.bfloat16: "needs a CPU with oneDNN's bf16 path (AVX512-BW/VL/DQ or AVX-NE-CONVERT), not capped below it",
+}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_one_row_forward_of_a_few_tokens_streams_each_matrix_inside_the_compiled_graph(
     monkeypatch: pytest.MonkeyPatch, tiny_pair, dtype: torch.dtype
@@ -667,7 +681,7 @@ def test_a_one_row_forward_of_a_few_tokens_streams_each_matrix_inside_the_compil
     longer block and several rows keep oneDNN's packed products. (Attention over several queries keeps
     its batched products.)"""
     if "onednn" not in candidates(dtype):
-        pytest.skip("needs PyTorch's oneDNN (mkldnn) build")
+        pytest.skip(ONEDNN_REASON[dtype])
     gemv_up_to(monkeypatch, 3)
     model = copy.deepcopy(tiny_pair.target).to(dtype)
     use_linear_kernel(model, "onednn")
@@ -898,14 +912,12 @@ do (inside, inductor generates them)."""
 def test_a_compiled_forward_embeds_in_its_first_call_and_applies_its_head_in_its_last(
     monkeypatch: pytest.MonkeyPatch,
     tiny_pair,
-    micro_int8_pair,  # noqa: F811
 ) -> None:
     """On the compiled engine a model whose layers fit one compiled call runs its embedding, rotary tables,
-    final norm and head in it (no call of their own): the tiny target gives the full recompute's fp32 logits,
-    and an int8 draft's one-row bf16 forward multiplies its layers and its shortlist head with the int8 kernel
-    in one call, with its eager engine's logits; several tokens or rows multiply a oneDNN head, prepacked, in
-    the graph too. A model of several calls applies only the ``gemv`` form's head in its last, and a head tied
-    to the embedding, in the call that embeds, leaves the embedding eager."""
+    final norm and head in it (no call of their own): the tiny target gives the full recompute's fp32 logits;
+    several tokens multiply a oneDNN head, prepacked, in the graph too. A model of several calls applies only
+    the ``gemv`` form's head in its last, and a head tied to the embedding, in the call that embeds, leaves the
+    embedding eager."""
     gemv_up_to(monkeypatch, 1)
     ids = tiny_pair.encode("abc def gh abba cafe")
     for most, eager in ((6, set()), (1, {"aten::embedding", "aten::cos"})):  # one call of two layers, or two
@@ -928,7 +940,24 @@ def test_a_compiled_forward_embeds_in_its_first_call_and_applies_its_head_in_its
         expected = full_logits(tiny_pair.target, ids[: len(ids) - 2 + j])
         torch.testing.assert_close(block[0, j], expected, rtol=1e-4, atol=1e-4)
     assert not EAGER_ENDS & set(ran), ran
-    monkeypatch.undo()
+    tied = copy.deepcopy(tiny_pair.target)
+    tied.lm_head.weight = tied.model.embed_tokens.weight
+    lm = StaticLM(tied, tiny_pair.vocab_size)
+    lm.feed(torch.tensor([ids[:-1]]))
+    logits, ran = embedded_and_headed(lm, [[ids[-1]]])
+    torch.testing.assert_close(logits[0, -1], full_logits(tied, ids), rtol=1e-4, atol=1e-4)
+    assert "aten::embedding" in ran
+
+
+@needs_onednn_bf16
+def test_an_int8_draft_s_compiled_bf16_forward_keeps_its_products_in_the_graph(
+    monkeypatch: pytest.MonkeyPatch,
+    micro_int8_pair,  # noqa: F811
+) -> None:
+    """An int8 draft's one-row bf16 forward multiplies its layers and its shortlist head with the int8 kernel
+    in one compiled call, with its eager engine's logits; several rows multiply the dequantised matrices,
+    prepacked for oneDNN, in the graph too."""
+    gemv_up_to(monkeypatch, 1)
     if int8_kernel_input(torch.bfloat16) is None:
         pytest.skip("needs a CPU whose int8-weight kernel takes bf16 rows")
     draft = copy.deepcopy(micro_int8_pair.draft).to(torch.bfloat16)
@@ -948,14 +977,6 @@ def test_a_compiled_forward_embeds_in_its_first_call_and_applies_its_head_in_its
     expected = cached.feed(torch.tensor([[5]]), columns=True)
     torch.testing.assert_close(got, expected.expand(2, -1, -1), rtol=5e-2, atol=1e-1)
     assert not EAGER_ENDS & set(ran) and "aten::_weight_int8pack_mm" not in ran, ran
-    tied = copy.deepcopy(tiny_pair.target)
-    tied.lm_head.weight = tied.model.embed_tokens.weight
-    lm = StaticLM(tied, tiny_pair.vocab_size)
-    lm.feed(torch.tensor([ids[:-1]]))
-    gemv_up_to(monkeypatch, 1)
-    logits, ran = embedded_and_headed(lm, [[ids[-1]]])
-    torch.testing.assert_close(logits[0, -1], full_logits(tied, ids), rtol=1e-4, atol=1e-4)
-    assert "aten::embedding" in ran
 
 
 @pytest.mark.parametrize(
@@ -1100,3 +1121,36 @@ def test_a_few_queries_as_reductions_equal_the_fused_kernel(monkeypatch: pytest.
     )
     torch.testing.assert_close(ours, fused, rtol=1e-5, atol=1e-5)
     assert taken == [n] and more.shape[2] == 9  # nine queries: the batched products, not the reductions
+
+
+def limit_hits() -> int:
+    """How often dynamo has run a frame uncompiled for hitting a graph limit, from its own counters."""
+    return sum(n for why, n in torch._dynamo.utils.counters["unimplemented"].items() if "recompile limit" in why)
+
+
+def test_a_thread_compiles_past_dynamo_s_default_of_eight_graphs(monkeypatch: pytest.MonkeyPatch, tiny_pair) -> None:
+    """Dynamo's graph limits are per thread: a forward compiled in another thread (the page's loading and
+    lane threads) keeps more than its default 8 graphs of one function, here twelve token counts of the
+    ``gemv`` form, and none runs uncompiled."""
+    import threading
+
+    from mtad.decoding.static_lm import warm_up
+
+    gemv_up_to(monkeypatch, 12)
+    torch._dynamo.reset()
+    hits, errors = limit_hits(), []
+
+    def compile_twelve() -> None:
+        try:
+            assert torch._dynamo.config.recompile_limit == 8  # dynamo's default in a fresh thread
+            warm_up(tiny_pair.target, tiny_pair.vocab_size, 12)
+        except BaseException as exc:  # noqa: BLE001  (reported below, in the test's thread)
+            errors.append(exc)
+
+    worker = threading.Thread(target=compile_twelve)
+    worker.start()
+    worker.join()
+    assert not errors, errors
+    assert limit_hits() == hits
+    frames = torch._dynamo.utils.counters["frames"]
+    assert frames["total"] == frames["ok"] >= 12

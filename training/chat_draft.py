@@ -150,7 +150,7 @@ def produce(work: Path, minutes: float, gen_batch: int, docs_per_gen: int) -> No
     (work / "shards").mkdir(parents=True, exist_ok=True)
     state_path = work / "data_state.json"
     state = json.loads(state_path.read_text()) if state_path.exists() else {"prompt": 0, "doc": 0, "shard": 0}
-    from mtad.models.devices import use_cpu_kernels
+    from mtad.models.kernels import use_cpu_kernels
 
     model, tok = load_target()
     use_cpu_kernels(model)
@@ -448,7 +448,7 @@ def report(work: Path, out: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
     import mtad.models.shortlist_draft  # noqa: F401  (registers the draft's class with the Auto classes)
-    from mtad.models.devices import use_cpu_kernels
+    from mtad.models.kernels import use_cpu_kernels
 
     torch.set_num_threads(1)
     shards = Shards(work)

@@ -616,7 +616,8 @@ def load_target(
     ``<|im_start|>`` as its end token and no padding token, which 5.23 reads as ``<|im_end|>`` for both."""
     from transformers import AutoTokenizer
 
-    from mtad.models.devices import auto_dtype, use_cpu_kernels, use_cuda_kernels
+    from mtad.models.devices import auto_dtype, use_cuda_kernels
+    from mtad.models.kernels import use_cpu_kernels
     from training.chat_draft import load_target as load
 
     if device.type == "cuda":

@@ -446,7 +446,9 @@ def _warm_up_pair(pair: ModelPair, tokens: int) -> None:
     warm_up(pair.target, pair.vocab_size, tokens)
     if compiles_draft(pair):
         warm_up(pair.draft, pair.vocab_size, tokens, keep_all=False)
-        warm_up(pair.draft, pair.vocab_size, 1, rows=2)
+        # several rows (beams, Spectr's and SpecInfer's drafts) read one token, or two where every draft
+        # was kept: the last draft, which the draft never read, and the target's token after it
+        warm_up(pair.draft, pair.vocab_size, 2, rows=2, keep_all=False)
     if fused_enabled(pair):
         warm_up_bookkeeping(pair, tokens)
 

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import platform
 from pathlib import Path
 
 import torch
 
-from mtad.models.cpu_attention import use_cpu_gqa_attention
 from mtad.models.errors import PairError
-from mtad.models.kernels import choose as choose_linear_kernel
-from mtad.models.kernels import use_linear_kernel
 
 DTYPES = {
     "float32": torch.float32,
@@ -99,8 +97,34 @@ def device_model(dev: torch.device) -> str:
 
 
 def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
-    """True when the CPU computes bf16 natively (AMX-BF16 or AVX512-BF16), where it is no slower than fp32."""
-    return bool(cpu_flags(cpuinfo) & {"amx_bf16", "avx512_bf16"})
+    """True when this process computes bf16 natively (AMX-BF16 or AVX512-BF16, and not capped to fewer
+    instructions by :data:`CAPPED_ISA`), where it is no slower than fp32."""
+    return bool(cpu_flags(cpuinfo) & {"amx_bf16", "avx512_bf16"}) and onednn_runs(torch.bfloat16)
+
+
+def onednn_runs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's prepacked products (``torch.ops.mkldnn``) can run ``dtype`` in this process: fp32
+    wherever PyTorch has oneDNN, bf16 only with AVX512-BW/VL/DQ or AVX-NE-CONVERT, and not under
+    ``ONEDNN_MAX_CPU_ISA=AVX2``, as oneDNN itself decides."""
+    if dtype == torch.float32:
+        return torch.backends.mkldnn.is_available()
+    return dtype == torch.bfloat16 and _onednn_runs_bf16()
+
+
+@functools.cache
+def _onednn_runs_bf16() -> bool:
+    """oneDNN's own answer for bf16, read once: the instruction sets cannot change within a process."""
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def bf16_note(device: torch.device, dtype: torch.dtype) -> str | None:
+    """A sentence saying that bf16 runs emulated on this CPU (it works, slower than fp32), or None."""
+    if device.type != "cpu" or dtype != torch.bfloat16 or cpu_has_native_bf16():
+        return None
+    return (
+        "this CPU has no native bf16 (AVX512-BF16 or AMX) usable here, so bf16 runs on PyTorch's own "
+        "products, converted in software and slower than fp32; --dtype float32 is faster"
+    )
 
 
 def auto_dtype(device: torch.device) -> torch.dtype:
@@ -151,20 +175,6 @@ def first_device(model: torch.nn.Module) -> torch.device:
     gpus = [d for d in placed.values() if d not in ("cpu", "disk")]
     main = gpus[0] if gpus else "cpu"
     return torch.device("cuda", main) if isinstance(main, int) else torch.device(main)
-
-
-def use_cpu_kernels(model: torch.nn.Module) -> torch.nn.Module:
-    """A CPU model's faster paths, same products: grouped-query attention left to the kernel
-    (``mtad.models.cpu_attention``) and the linear-layer kernel measured fastest here (``mtad.models.kernels``),
-    recorded as ``model.mtad_linear_kernel``."""
-    use_cpu_gqa_attention(model)
-    try:
-        kernel = choose_linear_kernel(model)
-    except ValueError as exc:
-        raise PairError(str(exc)) from exc
-    use_linear_kernel(model, kernel)
-    model.mtad_linear_kernel = kernel
-    return model
 
 
 def use_cuda_kernels() -> None:

@@ -27,7 +27,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from mtad.models.cpu_attention import use_cpu_gqa_attention
 from mtad.models.cpu_linear import StationaryLinear, replace_linears, stationary_linear
+from mtad.models.devices import onednn_runs
+from mtad.models.errors import PairError
 
 KERNELS = ("mkl", "stationary", "onednn")
 PROBE_ROWS = (1, 5)
@@ -47,8 +50,11 @@ class OneDNNLinear(nn.Linear):
         self._packed: tuple[tuple, torch.Tensor] | None = None
         self.packed()
 
-    def packed(self) -> torch.Tensor:
-        """The weight prepacked for oneDNN, made once per weight tensor."""
+    def packed(self) -> torch.Tensor | None:
+        """The weight prepacked for oneDNN, made once per weight tensor; None where oneDNN cannot run its
+        dtype here (a layer moved to bf16 on a CPU without oneDNN's bf16 path), which then runs ``F.linear``."""
+        if not onednn_runs(self.weight.dtype):
+            return None
         made_from = (self.weight.data_ptr(), self.weight.dtype)
         if self._packed is None or self._packed[0] != made_from:
             self._packed = (made_from, torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None))
@@ -65,24 +71,37 @@ class OneDNNLinear(nn.Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.requires_grad or x.dtype != self.weight.dtype or x.device.type != "cpu":
+        packed = None if x.requires_grad or x.dtype != self.weight.dtype or x.device.type != "cpu" else self.packed()
+        if packed is None:
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(-1, self.in_features)
         if not flat.is_contiguous():
             flat = flat.contiguous()
-        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed(), self.bias, "none", [], "")
+        out = torch.ops.mkldnn._linear_pointwise(flat, packed, self.bias, "none", [], "")
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
 def candidates(dtype: torch.dtype) -> tuple[str, ...]:
     """Kernels that can run ``dtype`` on this CPU: ``stationary`` is a bf16 kernel, oneDNN needs
-    PyTorch's mkldnn build."""
+    PyTorch's mkldnn build and, for bf16, the instructions its bf16 path needs (:func:`onednn_runs`)."""
     out = ["mkl"]
     if dtype == torch.bfloat16:
         out.append("stationary")
-    if torch.backends.mkldnn.is_available() and dtype in (torch.float32, torch.bfloat16):
+    if onednn_runs(dtype):
         out.append("onednn")
     return tuple(out)
+
+
+def check_runs(kernel: str, dtype: torch.dtype) -> None:
+    """Raise ``ValueError`` with the reason where ``kernel`` cannot run ``dtype`` on this CPU: oneDNN's bf16
+    path without the instructions it needs (any other pairing runs, if not fastest)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"linear kernel must be one of {', '.join(KERNELS)}; got {kernel!r}")
+    if kernel == "onednn" and dtype == torch.bfloat16 and not onednn_runs(dtype):
+        raise ValueError(
+            f"the onednn linear kernel cannot run {dtype} here: oneDNN's bf16 path needs AVX512-BW/VL/DQ or "
+            f"AVX-NE-CONVERT, which this CPU (or its instruction-set cap) lacks; choose one of {', '.join(candidates(dtype))}"
+        )
 
 
 def product(kernel: str, weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -92,6 +111,7 @@ def product(kernel: str, weight: torch.Tensor) -> Callable[[torch.Tensor], torch
     if kernel == "stationary":
         return lambda x: stationary_linear(x, weight)
     if kernel == "onednn":
+        check_runs(kernel, weight.dtype)
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     raise ValueError(f"linear kernel must be one of {', '.join(KERNELS)}; got {kernel!r}")
@@ -188,6 +208,9 @@ def use_linear_kernel(model: nn.Module, kernel: str) -> int:
     were replaced."""
     from mtad.models.shortlist_draft import Int8Linear
 
+    params = next(model.parameters(), None)
+    if params is not None:
+        check_runs(kernel, params.dtype)
     for m in model.modules():
         if isinstance(m, Int8Linear):
             m.kernel = "onednn" if kernel == "onednn" else "stationary"
@@ -202,6 +225,20 @@ def use_linear_kernel(model: nn.Module, kernel: str) -> int:
         return child if type(child) is OneDNNLinear else OneDNNLinear(child)
 
     return replace_linears(model, make)
+
+
+def use_cpu_kernels(model: torch.nn.Module) -> torch.nn.Module:
+    """A CPU model's faster paths, same products: grouped-query attention left to the kernel
+    (``mtad.models.cpu_attention``) and the linear-layer kernel measured fastest here (:func:`choose`),
+    recorded as ``model.mtad_linear_kernel``."""
+    use_cpu_gqa_attention(model)
+    try:
+        kernel = choose(model)
+    except ValueError as exc:
+        raise PairError(str(exc)) from exc
+    use_linear_kernel(model, kernel)
+    model.mtad_linear_kernel = kernel
+    return model
 
 
 def _rebuilt(cls: type[nn.Linear], child: nn.Linear) -> nn.Linear:

@@ -17,11 +17,11 @@ from mtad.models.devices import (
     resolve_device,
     resolve_device_map,
     resolve_dtype,
-    use_cpu_kernels,
     use_cuda_kernels,
 )
 from mtad.models.errors import PairError
 from mtad.models.gguf_cache import materialize
+from mtad.models.kernels import use_cpu_kernels
 from mtad.models.presets import OFFLINE_PAIR, presets
 from mtad.models.shortlist_draft import Int8Linear
 from mtad.models.static_llama import choose_engine, resolve_engine, supports

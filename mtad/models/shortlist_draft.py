@@ -41,6 +41,7 @@ except ImportError:  # older transformers (5.17, on the GPU machines) lack the h
 
 
 from mtad.models.cpu_linear import replace_linears, stationary_linear
+from mtad.models.devices import onednn_runs
 
 
 class ShortlistConfig(LlamaConfig):
@@ -151,7 +152,7 @@ class Int8Linear(nn.Module):
         kernel = self.kernel_tensors(x.dtype) if x.device.type == "cpu" and flat.shape[0] == 1 else None
         if kernel is not None:
             out = int8_product(flat, *kernel)
-        elif self.kernel == "onednn" and x.device.type == "cpu" and not x.requires_grad:
+        elif self.kernel == "onednn" and x.device.type == "cpu" and not x.requires_grad and onednn_runs(x.dtype):
             out = torch.ops.mkldnn._linear_pointwise(
                 flat.contiguous(), self.onednn_matrix(x.dtype), None, "none", [], ""
             )

@@ -24,7 +24,7 @@ from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 from torch.nn import functional as F
 
 from mtad.models import shortlist_draft
-from mtad.models.devices import cpu_flags
+from mtad.models.devices import cpu_flags, onednn_runs
 from mtad.models.errors import PairError
 
 ENGINES = ("eager", "compiled")
@@ -147,7 +147,8 @@ def layer_weights(layer: torch.nn.Module) -> LayerWeights:
     linears, norms = _parts(layer)
     mats = tuple(lin.dense(norms[0].dtype) if hasattr(lin, "dense") else lin.weight for lin in linears)
     widths = tuple(lin.out_features for lin in linears)
-    if not all(callable(getattr(lin, "packed", None)) or getattr(lin, "kernel", None) == "onednn" for lin in linears):
+    onednn = all(callable(getattr(lin, "packed", None)) or getattr(lin, "kernel", None) == "onednn" for lin in linears)
+    if not onednn or not onednn_runs(mats[0].dtype):
         return (*norms, *mats), "plain", widths
     stamp = tuple((m.data_ptr(), m.dtype) for m in mats)
     kept = layer.__dict__.get("_mtad_fused")
@@ -592,10 +593,18 @@ row count and token count (a second pair in the process, the page's, adds its ow
 (:mod:`mtad.decoding.fused`) one per combination of greedy or sampling, top-p and temperature on or off, τ
 below 1 or not, and a first and a dynamic shape. Past it dynamo runs the function uncompiled, silently."""
 
-torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-torch._dynamo.config.accumulated_recompile_limit = max(
-    torch._dynamo.config.accumulated_recompile_limit, 4 * RECOMPILE_LIMIT
-)
+
+def hold_graph_limits() -> None:
+    """Raise dynamo's graph limits to :data:`RECOMPILE_LIMIT` in the calling thread. Dynamo's settings are
+    per thread and context (each a ``ContextVar``), so a value set once at import holds only where it was set:
+    the page's loading and lane threads compiled under the default of 8 and ran forwards uncompiled past it.
+    Called before every compiled call; reading the two settings costs about a microsecond."""
+    config = torch._dynamo.config
+    if config.recompile_limit < RECOMPILE_LIMIT:
+        config.recompile_limit = RECOMPILE_LIMIT
+    if config.accumulated_recompile_limit < 4 * RECOMPILE_LIMIT:
+        config.accumulated_recompile_limit = 4 * RECOMPILE_LIMIT
+
 
 REALIZE_REUSED = {"realize_reads_threshold": 1}
 """Inductor's options for every compiled forward: keep a value that several kernels read in a buffer. By
@@ -671,6 +680,7 @@ def llama_forward(
         # and another's made in it are the same graph's input
         h, cos, sin = ids.clone(), None if positions is slots else positions.clone(), None
     if compiled:
+        hold_graph_limits()
         cache_per_capability()
         hold_widths(start, end)
         torch._dynamo.mark_dynamic(mask, 1)  # a longer context is the same graph
