@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from mtad.bench.report import text_table
-from mtad.cli import add_pair_args, load_pair_from_args
+from mtad.flags import add_pair_args, load_pair_from_args
 from mtad.models.pair import ModelPair
 from mtad.sampling import log_probs, probs
 from mtad.settings import Settings
@@ -166,7 +166,7 @@ def render(cases: dict[str, Calibration], verdicts: dict[str, str]) -> str:
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="python -m mtad.audit",
+        prog="mtad audit",
         description="Check, token by token, whether each method of a bench run sampled by the target's law.",
     )
     ap.add_argument("out", help="a bench --out directory (reads its bench.json, writes audit.json there)")

@@ -1,4 +1,6 @@
-"""``python -m mtad generate``: decode one prompt with any decoder (ar, sd, mtad, bild, ...) and show the trace."""
+"""The ``mtad`` command (``python -m mtad`` too): ``mtad generate`` decodes one prompt with any decoder and
+shows which drafts were accepted; ``bench``, ``tuning``, ``audit``, ``kernels`` and ``mtjd-agreement`` run
+their own modules' command lines."""
 
 from __future__ import annotations
 
@@ -7,113 +9,62 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from mtad.decoding.spec import method_names, registry
-from mtad.settings import DRAFT_MODES, PARAMS, Settings
+from mtad.decoding.spec import check, method_names, registry, settings_for
+from mtad.flags import add_pair_args, add_sampling_args, add_tuning_args, load_pair_from_args, sampling_settings, span
+from mtad.settings import Settings
 
 GREEN, YELLOW, RED, DIM, RESET = "\033[32m", "\033[33m", "\033[31m", "\033[2m", "\033[0m"
 
 
-def add_pair_args(p: argparse.ArgumentParser) -> None:
-    """--pair or --draft/--target, with device, dtype and device map (shared with the bench)."""
-    p.add_argument("--pair", help="preset name from assets/pairs.toml (default: embedded)")
-    p.add_argument("--draft", help="draft model: local directory or Hub id")
-    p.add_argument("--target", help="target model: local directory or Hub id")
-    p.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:1 ...")
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        help="auto (MTAD_DTYPE, else the preset's, else bf16 on CUDA >= sm80 and CPUs with native bf16, "
-        "fp16 on older GPUs, fp32 on other CPUs), float32, bfloat16, float16",
-    )
-    p.add_argument(
-        "--device-map",
-        choices=("auto", "none"),
-        default=None,
-        help="auto: split the target over all GPUs (then the CPU) with accelerate, draft on its first device; "
-        "--device cpu keeps the pair whole on the CPU (default: MTAD_DEVICE_MAP, else none)",
-    )
-    add_engine_arg(p)
+def _bench(argv: Sequence[str]) -> int:
+    from mtad.bench.cli import main as bench
+
+    return bench(argv)
 
 
-def add_engine_arg(p: argparse.ArgumentParser) -> None:
-    """--engine: how the target runs (shared with the bench)."""
-    p.add_argument(
-        "--engine",
-        choices=("auto", "eager", "compiled"),
-        default="auto",
-        help="eager: transformers' forward; compiled: both models over static caches, their decoding shapes "
-        "compiled with torch.compile before timing (about 20 s the first time on a 2-core CPU, seconds once inductor "
-        "keeps the code on disk) and, on a GPU, replayed from CUDA graphs; auto: compiled wherever it can run the "
-        "target, else eager "
-        "(default: MTAD_ENGINE, else auto; generate's auto is eager: for one prompt compiling costs more than "
-        "it saves)",
-    )
+def _tuning(argv: Sequence[str]) -> int:
+    from mtad.tuning.cli import main as tuning
+
+    return tuning(argv)
 
 
-def add_tuning_args(p: argparse.ArgumentParser) -> None:
-    """--tuned and --acceptance: SD's and MTAD's draft settings chosen on this machine (shared with the bench)."""
-    p.add_argument(
-        "--tuned",
-        action="store_true",
-        help="sd and mtad: the draft length (and MTAD's beams) predicted fastest on this machine, instead of "
-        "--gamma and --beams (python -m mtad.tuning show; the first time on a machine, every candidate is timed)",
-    )
-    p.add_argument(
-        "--acceptance", type=Path, help="with --tuned: the pair's acceptance table (default: the one its preset names)"
-    )
+def _audit(argv: Sequence[str]) -> int:
+    from mtad.audit import main as audit
+
+    return audit(list(argv))
 
 
-def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    """The decoding settings every method understands (shared with the bench)."""
-    d = Settings()
-    p.add_argument("--greedy", action="store_true", help="argmax everywhere (the T->0 limit)")
-    p.add_argument("--temperature", type=float, default=d.temperature)
-    p.add_argument("--top-k", type=int, default=d.top_k, help="0 turns top-k off")
-    p.add_argument("--top-p", type=float, default=d.top_p)
-    p.add_argument("--draft-mode", choices=DRAFT_MODES, default=d.draft_mode)
-    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+def _kernels(argv: Sequence[str]) -> int:
+    from mtad.kernel_report import main as kernels
+
+    return kernels(list(argv))
 
 
-def load_pair_from_args(args: argparse.Namespace):  # noqa: ANN201
-    """The pair the flags name: --draft/--target together, else --pair, else the default preset; on the
-    CPU it then runs on the thread count its target's products measure fastest on (``choose_threads``)."""
-    from mtad.models.devices import bf16_note
+def _mtjd_agreement(argv: Sequence[str]) -> int:
+    from mtad.mtjd_agreement import main as agreement
 
-    pair = _load_pair_from_args(args)
-    if note := bf16_note(pair.device, pair.dtype):
-        print(f"note: {note}", file=sys.stderr)
-    if pair.device.type == "cpu":
-        from mtad.models.kernels import choose_threads
-
-        choose_threads(pair.target)
-    return pair
+    return agreement(list(argv))
 
 
-def _load_pair_from_args(args: argparse.Namespace):  # noqa: ANN202
-    from transformers.utils import logging as hf_logging
-
-    from mtad.models.errors import PairError
-    from mtad.models.pair import load, load_pair
-    from mtad.models.presets import default_pair_name
-
-    hf_logging.disable_progress_bar()  # per-shard bars are noise on a terminal that wants the text
-
-    if bool(args.draft) != bool(args.target):
-        raise PairError("give both --draft and --target, or neither (then --pair chooses)")
-    how = dict(device=args.device, dtype=args.dtype, device_map=args.device_map, engine=args.engine)
-    if args.draft:
-        if args.pair:
-            raise PairError("give either --pair or --draft/--target, not both")
-        return load(args.draft, args.target, **how)
-    return load_pair(args.pair or default_pair_name(), **how)
+COMMANDS: dict[str, tuple[str, Callable[[Sequence[str]], int]]] = {
+    "bench": ("the paper's tables: prompts x methods x settings, with JSON, CSV and plots", _bench),
+    "tuning": ("the draft settings fastest on this machine, and a pair's acceptance table", _tuning),
+    "audit": ("check, token by token, that each decoder of a bench run samples as the target does", _audit),
+    "kernels": ("what each CPU linear kernel costs here, and which one a load would choose", _kernels),
+    "mtjd-agreement": ("MTAD against the multi-token joint decoding it approximates", _mtjd_agreement),
+}
+"""The subcommands whose command lines live in their own modules (``generate`` lives here)."""
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m mtad", description="Multi-token assisted decoding")
-    sub = ap.add_subparsers(dest="command", required=True)
+    ap = argparse.ArgumentParser(prog="mtad", description="Multi-token assisted decoding")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
     g = sub.add_parser("generate", help="decode one prompt and show which drafts were accepted")
+    for name, (what, _) in COMMANDS.items():
+        sub.add_parser(name, help=f"{what} (mtad {name} --help)", add_help=False)
     add_pair_args(g)
     g.add_argument("--prompt", required=True)
     g.add_argument("--method", choices=method_names(), default="mtad")
@@ -141,36 +92,24 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def span(field: str) -> str:
-    """A setting's engine range for a flag's help, from ``mtad.settings.PARAMS``: ``1-32``, ``[0, 1]``, ``>= 0``."""
-    p = PARAMS[field]
-    if p.kind is int:
-        return f"{p.lo}-{p.hi}"
-    return f">= {p.lo:g}" if p.hi == float("inf") else f"[{p.lo:g}, {p.hi:g}]"
-
-
-def sampling_settings(args: argparse.Namespace) -> Settings:
-    """The settings every method shares, from the flags of :func:`add_sampling_args` (bench too)."""
-    return Settings(
-        greedy=args.greedy,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        draft_mode=args.draft_mode,
-        max_new_tokens=args.max_new_tokens,
-    )
-
-
 def settings_from_args(args: argparse.Namespace, method: str) -> Settings:
     """The whole ``generate`` settings: the shared sampling flags plus the method's own (gamma defaults
     to the method's paper value when not given)."""
-    gamma = Settings.for_method(method).gamma if args.gamma is None else args.gamma
+    gamma = settings_for(method).gamma if args.gamma is None else args.gamma
     own = {"beams": args.beams, "tau": args.tau, "num_drafts": args.num_drafts, "tau1": args.tau1, "tau2": args.tau2}
-    return sampling_settings(args).with_(method=method, gamma=gamma, seed=args.seed, **own).validate()
+    return check(sampling_settings(args).with_(method=method, gamma=gamma, seed=args.seed, **own))
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``mtad COMMAND ...``: 0 on success, 2 with a message for bad input."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in COMMANDS:
+        return COMMANDS[argv[0]][1](argv[1:])
+    return run_generate(parser().parse_args(argv))
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """``mtad generate``: decode ``args.prompt``, print its text with the accepted drafts marked and a summary."""
     try:
         settings = settings_from_args(args, args.method)
         from mtad.decoding import generate
@@ -182,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.tuned:
             settings = tuned_settings(pair, settings, args.acceptance)
         if pair.engine == "compiled":  # compiled before the clock starts, so the speed printed is decoding's
-            from mtad.decoding.static_lm import warm_up_pair, warm_up_settings
+            from mtad.decoding.precompile import warm_up_pair, warm_up_settings
 
             t0 = time.perf_counter()
             warm_up_pair(pair, settings.gamma + 1)

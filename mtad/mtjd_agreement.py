@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from mtad.decoding.mtjd import cut_at_eos, target_beams
+from mtad.decoding.spec import check
 from mtad.decoding.state import DecodeState, to_host
 from mtad.events import Step, json_safe
 from mtad.models.pair import ModelPair
@@ -139,11 +140,11 @@ def run_agreement(pair: ModelPair, prompt_ids: list[int], settings: Settings) ->
 
 
 def parser() -> argparse.ArgumentParser:
-    from mtad.cli import add_pair_args, add_sampling_args
+    from mtad.flags import add_pair_args, add_sampling_args
 
     d = Settings()
     ap = argparse.ArgumentParser(
-        prog="python -m mtad.mtjd_agreement",
+        prog="mtad mtjd-agreement",
         description="MTAD against MTJD (beam search over the target) at the same K = gamma, W and search: "
         "perplexity, repetition, and how often MTAD's accepted prefix is MTJD's choice from the same context.",
     )
@@ -200,8 +201,8 @@ def pct(v: float | None) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     from mtad.bench.cli import default_prompts, output_dir, parse_list
     from mtad.bench.report import environment, git_commit
-    from mtad.cli import load_pair_from_args, sampling_settings
     from mtad.decoding import decode, encode_prompt
+    from mtad.flags import load_pair_from_args, sampling_settings
     from mtad.metrics import summarize
     from mtad.prompts import read_prompts
 
@@ -210,7 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         base = sampling_settings(args).with_(gamma=args.gamma, beams=args.beams, tau=args.tau)
         for method in ("mtad", "mtjd"):
-            base.with_(method=method).validate()
+            check(base.with_(method=method))
         seeds = parse_list(args.seeds, int, "seeds")
         prompts = read_prompts(default_prompts(args), args.limit)
         out = output_dir(args.out)

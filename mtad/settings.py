@@ -99,14 +99,11 @@ class Settings:
     seed: int = 0
 
     def validate(self) -> Settings:
-        """Raise ``ValueError`` naming the allowed range for the first bad field."""
-        from mtad.decoding.spec import method_names, spec_of  # at call time: the decoders import this module
-
-        if self.method not in method_names():
-            raise ValueError(f"method must be one of {', '.join(method_names())}; got {self.method!r}")
-        own = spec_of(self.method).param_map
-        for field, shared in PARAMS.items():  # the method's own range where it has one, else the shared one
-            own.get(field, shared).check(getattr(self, field))
+        """Raise ``ValueError`` naming the allowed range for the first bad field, each field checked against
+        the engine's range for it (``PARAMS``); a method's own narrower ranges and its name are checked with
+        the registry, :func:`mtad.decoding.spec.check`."""
+        for field, param in PARAMS.items():
+            param.check(getattr(self, field))
         if not _finite(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top-p must be in (0, 1]; got {self.top_p}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
@@ -137,38 +134,12 @@ class Settings:
         """Whether top-p cuts the law (below 1)."""
         return self.top_p < 1.0
 
-    @classmethod
-    def for_method(cls, method: str, **fields: object) -> Settings:
-        """Settings for ``method`` with its paper defaults (e.g. BiLD's gamma 10); ``fields`` override them."""
-        from mtad.decoding.spec import spec_of
-
-        return cls(method=method, **{**spec_of(method).defaults, **fields})
-
     def with_(self, **changes: object) -> Settings:
         """A copy with some fields changed (frozen dataclass helper)."""
         return replace(self, **changes)
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def uses_draft(method: str) -> bool:
-    """Whether ``method`` runs the draft model (and so needs its context length and a draft cache)."""
-    from mtad.decoding.spec import spec_of
-
-    return spec_of(method).drafts
-
-
-def __getattr__(name: str) -> tuple[str, ...]:
-    """``METHODS`` (every registered method) and ``WITHOUT_DRAFT`` (those that run the target alone), read
-    from the registry in ``mtad.decoding.spec`` when asked for, so that they can never disagree with it."""
-    if name not in ("METHODS", "WITHOUT_DRAFT"):
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from mtad.decoding.spec import registry
-
-    if name == "METHODS":
-        return tuple(registry())
-    return tuple(n for n, s in registry().items() if not s.drafts)
 
 
 def _finite(x: float) -> bool:

@@ -21,6 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mtad.decoding import decode  # noqa: E402
+from mtad.decoding.spec import check
 from mtad.models.pair import ModelPair, load_pair  # noqa: E402
 from mtad.settings import Settings  # noqa: E402
 
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{args.pair} on {name}: {pair.engine} engine, {pair.dtype}, torch {torch.__version__}", flush=True)
     ids = pair.encode(args.prompt)
     for method in args.methods.split(","):
-        settings = Settings(method=method, max_new_tokens=args.max_new_tokens, seed=0).validate()
+        settings = check(Settings(method=method, max_new_tokens=args.max_new_tokens, seed=0))
         print(profile_method(pair, ids, settings, args.rows), flush=True)
 
 

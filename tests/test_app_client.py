@@ -352,7 +352,7 @@ def test_a_lane_compiles_its_decoder_before_its_clock_starts(close_pair):
 
     import torch
 
-    from mtad.decoding.static_lm import WARMED, warm_up_pair
+    from mtad.decoding.precompile import WARMED, warm_up_pair
     from mtad.ui import runner
     from mtad.ui.record import LaneRecord, RunRecord
 

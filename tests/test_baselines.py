@@ -15,6 +15,7 @@ from test_architectures import arch_pair  # noqa: F401  (the OPT/Qwen2 pair fixt
 from mtad.decoding import DECODERS, decode, generate, specinfer, spectr
 from mtad.decoding.bild import bild_rollback
 from mtad.decoding.multidraft import kept_lengths
+from mtad.decoding.spec import settings_for
 from mtad.decoding.state import DecodeState
 from mtad.models.pair import load
 from mtad.sampling import log_probs
@@ -322,7 +323,7 @@ def test_cache_matches_recompute_after_multi_row_verification(close_pair, method
 def test_other_architectures(arch_pair, method: str) -> None:  # noqa: ANN001, F811
     """OPT and Qwen2 (the presets' other families): the multi-row verification's cache equals a
     recompute, and the exact methods' greedy output is greedy AR's."""
-    s = Settings.for_method(method, gamma=4, beams=3, num_drafts=3, tau=0.3, tau1=0.0, max_new_tokens=30, seed=1)
+    s = settings_for(method, gamma=4, beams=3, num_drafts=3, tau=0.3, tau1=0.0, max_new_tokens=30, seed=1)
     st = DecodeState.start(arch_pair, arch_pair.encode(PROMPT), s)
     for _ in range(3):
         DECODERS[method].step(st)

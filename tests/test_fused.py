@@ -20,10 +20,10 @@ from mtad.decoding.beams import beam_step
 from mtad.decoding.draft_laws import DraftLaws
 from mtad.decoding.iteration import draw
 from mtad.decoding.mtad import judge
+from mtad.decoding.precompile import warm_up_pair
 from mtad.decoding.rules import log_tau
 from mtad.decoding.speculative import sd_judge
 from mtad.decoding.state import DecodeState
-from mtad.decoding.static_lm import warm_up_pair
 from mtad.models.pair import ModelPair
 from mtad.sampling import Law, RowLaws, law_and_draw, log_probs
 from mtad.settings import Settings
@@ -200,7 +200,7 @@ def test_the_compiled_engine_s_warm_up_compiles_the_bookkeeping(
     monkeypatch: pytest.MonkeyPatch, close_pair: ModelPair
 ) -> None:
     """After ``warm_up_pair``, a generation at the default settings compiles nothing more."""
-    monkeypatch.setattr("mtad.decoding.static_lm.fused_enabled", lambda pair: True)
+    monkeypatch.setattr("mtad.decoding.precompile.fused_enabled", lambda pair: True)
     compile_bookkeeping(monkeypatch)
     pair = dataclasses.replace(close_pair, engine="compiled")
     warm_up_pair(pair, Settings().gamma + 1)

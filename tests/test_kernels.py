@@ -152,7 +152,7 @@ def test_a_prepacked_layer_survives_a_deep_copy_and_a_dtype_change() -> None:
 
 
 def test_the_report_times_every_kernel_and_names_the_choice(capsys: pytest.CaptureFixture[str]) -> None:
-    from mtad.models.kernels import main
+    from mtad.kernel_report import main
 
     assert main(["--pair", "embedded", "--dtype", "float32"]) == 0
     out = capsys.readouterr().out.splitlines()

@@ -18,8 +18,8 @@ import pytest
 import mtad.bench.cli as bench
 from mtad import cli
 from mtad.decoding import DECODERS, decode, encode_prompt, spec
-from mtad.decoding.spec import PANELS, MethodSpec, register, registry, unregister
-from mtad.settings import PARAMS, Settings, uses_draft
+from mtad.decoding.spec import PANELS, MethodSpec, check, register, registry, settings_for, unregister, uses_draft
+from mtad.settings import PARAMS, Settings
 from mtad.ui import outputs, pickers, state
 from mtad.ui import run as runs
 from mtad.ui.figures import COLOURS
@@ -112,13 +112,13 @@ def method_choices() -> list[str]:
 
 
 def test_its_settings_are_checked_against_its_own_spec(toy: MethodSpec) -> None:
-    assert Settings(method=TOY, gamma=3).validate().gamma == 3
+    assert check(Settings(method=TOY, gamma=3)).gamma == 3
     with pytest.raises(ValueError, match=r"toy draft length must be an integer from 1 to 3; got 4"):
-        Settings(method=TOY, gamma=4).validate()
-    Settings(method="sd", gamma=4).validate()  # the shared range is untouched: 4 is fine for SD
+        check(Settings(method=TOY, gamma=4))
+    check(Settings(method="sd", gamma=4))  # the shared range is untouched: 4 is fine for SD
     with pytest.raises(ValueError, match="tau must be between 0 and 1"):  # the settings it does not use too
-        Settings(method=TOY, gamma=2, tau=2.0).validate()
-    assert Settings.for_method(TOY).gamma == 2 and Settings.for_method(TOY, gamma=3).gamma == 3
+        check(Settings(method=TOY, gamma=2, tau=2.0))
+    assert settings_for(TOY).gamma == 2 and settings_for(TOY, gamma=3).gamma == 3
     assert uses_draft(TOY) and DECODERS[TOY] is toy and toy.uses == ("gamma",)
 
 
@@ -197,7 +197,7 @@ def test_unregistered_it_is_gone_everywhere(tmp_path: Path) -> None:
     unregister(name)
     assert name not in method_choices() and name not in pickers.RACERS and name not in LABELS
     with pytest.raises(ValueError, match="method must be one of"):
-        Settings(method=name).validate()
+        check(Settings(method=name))
 
 
 def test_every_consumer_reads_the_registry() -> None:
@@ -210,10 +210,10 @@ def test_every_consumer_reads_the_registry() -> None:
     for name, s in registry().items():
         assert s.name == name and s.panel in PANELS and re.fullmatch(r"#[0-9a-f]{6}", s.colour)
         assert uses_draft(name) == s.drafts == (s.panel not in ("none", "target-beams"))
-        assert Settings.for_method(name).validate().method == name
+        assert check(settings_for(name)).method == name
         for p in s.params:  # a method's own range never reaches past what the engine allows for the field
             assert PARAMS[p.field].lo <= p.lo and p.hi <= PARAMS[p.field].hi
-    assert Settings.for_method("bild").gamma == 10 and Settings.for_method("sd").gamma == Settings().gamma
+    assert settings_for("bild").gamma == 10 and settings_for("sd").gamma == Settings().gamma
     for p in PARAMS.values():  # the page's range for a setting lies inside the engine's
         lo, hi = p.widget_range
         assert p.lo <= lo <= hi <= p.hi and (p.choices or p.page_name)

@@ -15,6 +15,7 @@ import torch
 from conftest import cached_next_logits, full_logits
 
 from mtad.decoding import DECODERS, decode, generate
+from mtad.decoding.iteration import run_steps
 from mtad.decoding.mtjd import mtjd_step
 from mtad.decoding.state import DecodeState
 from mtad.events import Step
@@ -98,8 +99,8 @@ def test_a_full_width_beam_search_finds_the_argmax_of_the_joint(micro_pair: Mode
     without_eos = ModelPair(**{**micro_pair.__dict__, "eos_ids": frozenset()})
     checked = at_eos = 0
     for pair, prompt in itertools.product((micro_pair, without_eos), (ids, ids[:2], ids[::-1])):
-        # the registry's runner, not decode(): W = 100 is past the validated range (at most 64)
-        steps = list(DECODERS["mtjd"].run(pair, prompt, s))
+        # the step loop, not decode(): W = 100 is past the validated range (at most 64)
+        steps = list(run_steps(DECODERS["mtjd"].step, pair, prompt, s))
         for context, step in zip(contexts(prompt, steps), steps, strict=True):
             if not step.beams:
                 continue

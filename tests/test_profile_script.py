@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 from mtad.decoding import decode
+from mtad.decoding.spec import check
 from mtad.models.pair import load_pair
 from mtad.settings import Settings
 
@@ -23,7 +24,7 @@ def _script():  # noqa: ANN202
 def test_the_report_counts_the_decodes_iterations_and_tokens() -> None:
     pair = load_pair("embedded", device="cpu", engine="eager")
     ids = pair.encode("def add(a, b):\n    ")
-    settings = Settings(method="sd", max_new_tokens=20, seed=0).validate()
+    settings = check(Settings(method="sd", max_new_tokens=20, seed=0))
     steps = list(decode(pair, ids, settings))
     report = _script().profile_method(pair, ids, settings, rows=3)
     head = report.splitlines()[0]

@@ -21,15 +21,9 @@ from test_shortlist_draft import micro_int8_pair  # noqa: F401 (a fixture, used 
 from test_tree import check_tree_forward
 
 from mtad.decoding import generate, static_lm
+from mtad.decoding.precompile import WARMED, needs_warm_up, warm_up_pair, warm_up_settings
 from mtad.decoding.state import CachedLM, DecodeState, draft_lm
-from mtad.decoding.static_lm import (
-    TREE_BUCKETS,
-    WARMED,
-    StaticLM,
-    needs_warm_up,
-    warm_up_pair,
-    warm_up_settings,
-)
+from mtad.decoding.static_lm import TREE_BUCKETS, StaticLM
 from mtad.decoding.tree import TokenTree, keep_path, tree_allow
 from mtad.models.errors import PairError
 from mtad.models.kernels import candidates, use_linear_kernel
@@ -346,7 +340,7 @@ def test_decoders_on_the_compiled_engine_give_the_eager_engine_s_text_and_never_
     compiles them all.)"""
     compiled = dataclasses.replace(close_pair, engine="compiled")
     torch._dynamo.reset()
-    static_lm.WARMED.pop(compiled.target, None)
+    WARMED.pop(compiled.target, None)
     every = GREEDY + [dataclasses.replace(s, greedy=False, seed=3) for s in GREEDY[1:3]]
     warm_up_pair(compiled, max(s.gamma for s in every) + 1)
     for settings in every:
@@ -525,7 +519,7 @@ WARM_AND_GENERATE = """
 import logging, sys
 logging.basicConfig(level=logging.WARNING)
 from mtad.decoding import generate
-from mtad.decoding.static_lm import warm_up_pair
+from mtad.decoding.precompile import warm_up_pair
 from mtad.models.pair import load
 from mtad.settings import Settings
 pair = load(sys.argv[1], sys.argv[2], device="cpu", dtype="float32", engine="compiled")
@@ -1021,7 +1015,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from mtad.decoding.state import CachedLM
-from mtad.decoding.static_lm import WARMED, StaticLM, needs_warm_up, warm_up_pair, warm_up_settings
+from mtad.decoding.static_lm import StaticLM
+from mtad.decoding.precompile import WARMED, needs_warm_up, warm_up_pair, warm_up_settings
 from mtad.models.kernels import use_linear_kernel
 
 torch.manual_seed(0)
@@ -1134,7 +1129,7 @@ def test_a_thread_compiles_past_dynamo_s_default_of_eight_graphs(monkeypatch: py
     ``gemv`` form, and none runs uncompiled."""
     import threading
 
-    from mtad.decoding.static_lm import warm_up
+    from mtad.decoding.static_lm import compile_shapes
 
     gemv_up_to(monkeypatch, 12)
     torch._dynamo.reset()
@@ -1143,7 +1138,7 @@ def test_a_thread_compiles_past_dynamo_s_default_of_eight_graphs(monkeypatch: py
     def compile_twelve() -> None:
         try:
             assert torch._dynamo.config.recompile_limit == 8  # dynamo's default in a fresh thread
-            warm_up(tiny_pair.target, tiny_pair.vocab_size, 12)
+            compile_shapes(tiny_pair.target, tiny_pair.vocab_size, 12)
         except BaseException as exc:  # noqa: BLE001  (reported below, in the test's thread)
             errors.append(exc)
 

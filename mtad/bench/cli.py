@@ -14,22 +14,22 @@ from pathlib import Path
 from mtad.bench.aggregate import aggregate
 from mtad.bench.report import environment, git_commit, render_table, write_outputs
 from mtad.bench.run import Case, build_cases, run_bench
-from mtad.cli import add_pair_args, add_sampling_args, add_tuning_args, load_pair_from_args, sampling_settings
 from mtad.decoding import encode_prompt, refusal
-from mtad.decoding.spec import method_names, registry
-from mtad.decoding.static_lm import warm_up_pair
+from mtad.decoding.precompile import warm_up_pair
+from mtad.decoding.spec import method_names, registry, uses_draft
 from mtad.energy import EnergyMeter
+from mtad.flags import add_pair_args, add_sampling_args, add_tuning_args, load_pair_from_args, sampling_settings
 from mtad.models.pair import ModelPair
 from mtad.models.presets import default_pair_name, presets
 from mtad.prompts import Prompt, read_prompts
-from mtad.settings import Settings, uses_draft
+from mtad.settings import Settings
 
 
 def parser() -> argparse.ArgumentParser:
     """The bench's flags (pair and sampling flags are shared with ``python -m mtad generate``)."""
     d = Settings()
     ap = argparse.ArgumentParser(
-        prog="python -m mtad.bench",
+        prog="mtad bench",
         description="Benchmark ar, sd, mtad and transformers' assisted generation on one model pair.",
     )
     add_pair_args(ap)

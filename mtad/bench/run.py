@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from mtad.decoding import decode
-from mtad.decoding.spec import spec_of
+from mtad.decoding.spec import check, settings_for, spec_of
 from mtad.energy import EnergyMeter, EnergyReading
 from mtad.events import Step
 from mtad.metrics import position_counts, summarize
@@ -69,15 +69,15 @@ def build_cases(
     taus: Sequence[float],
 ) -> list[Case]:
     """The rows: each method crossed with the sweeps of only the settings it uses. Validates each.
-    ``gammas`` None: each method's own paper default (``Settings.for_method``: BiLD drafts 10)."""
+    ``gammas`` None: each method's own paper default (``settings_for``: BiLD drafts 10)."""
     cases = []
     for method in methods:
-        own = [Settings.for_method(method).gamma] if gammas is None else list(gammas)
+        own = [settings_for(method).gamma] if gammas is None else list(gammas)
         values = {"gamma": own, "beams": list(beams), "tau": list(taus)}
         first = {k: v[0] for k, v in values.items()}
         swept = [k for k in SWEPT if k in spec_of(method).uses]
         for combo in itertools.product(*(values[k] for k in swept)):
-            settings = base.with_(method=method, **{**first, **dict(zip(swept, combo, strict=True))}).validate()
+            settings = check(base.with_(method=method, **{**first, **dict(zip(swept, combo, strict=True))}))
             cases.append(Case(settings))
     return cases
 

@@ -16,7 +16,7 @@ iteration's ONE host read (``to_host``), the ``Step`` and ``DecodeState.finish``
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -26,7 +26,9 @@ from mtad.decoding.draft_laws import DraftLaws
 from mtad.decoding.fused import fused
 from mtad.decoding.state import DecodeState, to_host
 from mtad.events import Step
+from mtad.models.pair import ModelPair
 from mtad.sampling import Law, Listed, draw_token, law_and_draw, pick
+from mtad.settings import Settings
 
 P = TypeVar("P")  # a drafter's proposal
 S = TypeVar("S")  # a verifier's scores
@@ -222,3 +224,18 @@ def draw_one(logits: torch.Tensor, law: Law, u: torch.Tensor | None) -> torch.Te
 
 TARGET = Iteration(propose_nothing, verify_context, target_token, room=lambda st: 1)
 """One token from the target alone: AR, and every method's last iterations where there is no room to draft."""
+
+
+def run_steps(
+    step: Callable[[DecodeState], Step], pair: ModelPair, prompt_ids: list[int], settings: Settings
+) -> Iterator[Step]:
+    """A step-wise decoder's Steps for a prompt: ``step`` (one iteration) looped on a fresh ``DecodeState``
+    until the budget or EOS."""
+    with torch.inference_mode():
+        st = DecodeState.start(pair, prompt_ids, settings)
+    while st.remaining > 0:
+        with torch.inference_mode():  # no autograd bookkeeping on the decoders' many small tensor ops
+            done = step(st)
+        yield done
+        if done.eos:
+            return

@@ -1,17 +1,15 @@
 """The method spec: everything the rest of mtad knows about one decoder, in one object, and the registry.
 
 Each decoder's module defines its ``SPEC`` next to its code; ``mtad.decoding`` registers the built-in ones
-with :func:`register`, and ``Settings``, the CLI, the bench, the audit and the page read them from
-:func:`registry` (docs/extending.md: adding a decoder is one new file plus one ``register`` call).
+with :func:`register` (importing any module of the package runs that first), and the CLI, the bench, the
+audit and the page read them from :func:`registry`, and check a method's settings with :func:`check`
+(docs/extending.md: adding a decoder is one new file plus one ``register`` call).
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-
-import torch
 
 from mtad.events import Step
 from mtad.settings import PARAMS, Param, Settings
@@ -74,7 +72,7 @@ class MethodSpec:
         if wider:
             raise ValueError(f"method {self.name!r}: its range for {wider[0]!r} is wider than the engine's")
         shared = Settings()
-        for p in self.params:  # Settings.for_method(name) must validate
+        for p in self.params:  # settings_for(name) must validate
             try:
                 p.check(getattr(shared, p.field) if p.default is None else p.default)
             except ValueError as exc:
@@ -92,31 +90,12 @@ class MethodSpec:
 
     @property
     def defaults(self) -> dict[str, object]:
-        """Where its defaults differ from the ``Settings`` fields' (``Settings.for_method`` applies them)."""
+        """Where its defaults differ from the ``Settings`` fields' (:func:`settings_for` applies them)."""
         return {p.field: p.default for p in self.params if p.default is not None}
-
-    def run(self, pair: object, prompt_ids: list[int], settings: Settings) -> Iterator[Step]:
-        """Its Steps for a prompt: the whole decoder, or its step function looped on a ``DecodeState``."""
-        if self.decoder is not None:
-            return self.decoder(pair, prompt_ids, settings)
-        return _stepwise(self.step, pair, prompt_ids, settings)
 
     def note(self, settings: dict) -> str:
         """Its settings for a lane's title bar, e.g. ``W = 8, γ = 4, τ = 0.1`` (``Settings.to_dict`` values)."""
         return ", ".join(f"{p.symbol} = {settings.get(p.field):g}" for p in self.params if p.symbol)
-
-
-def _stepwise(step_fn: Callable, pair: object, prompt_ids: list[int], settings: Settings) -> Iterator[Step]:
-    from mtad.decoding.state import DecodeState
-
-    with torch.inference_mode():
-        st = DecodeState.start(pair, prompt_ids, settings)
-    while st.remaining > 0:
-        with torch.inference_mode():  # no autograd bookkeeping on the decoders' many small tensor ops
-            step = step_fn(st)
-        yield step
-        if step.eos:
-            return
 
 
 _REGISTRY: dict[str, MethodSpec] = {}
@@ -137,8 +116,8 @@ def unregister(name: str) -> None:
 
 
 def registry() -> dict[str, MethodSpec]:
-    """Every registered method by name, in registration order (the built-in ones first)."""
-    importlib.import_module("mtad.decoding")  # registers the built-in decoders on first use
+    """Every registered method by name, in registration order (the built-in ones first: ``mtad.decoding``
+    registers them, and Python runs it before any module of the package, this one included)."""
     return _REGISTRY
 
 
@@ -153,6 +132,28 @@ def spec_of(method: str) -> MethodSpec:
     if spec is None:
         raise ValueError(f"method must be one of {', '.join(registry())}; got {method!r}")
     return spec
+
+
+def check(settings: Settings) -> Settings:
+    """``settings`` validated for its method: a registered name, each field in the method's own range where it
+    has one (BiLD's γ, a toy method's), else the engine's (``Settings.validate``); ``ValueError`` naming the
+    first bad field."""
+    if settings.method not in _REGISTRY:
+        raise ValueError(f"method must be one of {', '.join(_REGISTRY)}; got {settings.method!r}")
+    own = spec_of(settings.method).param_map
+    for field, param in own.items():
+        param.check(getattr(settings, field))
+    return settings.validate()
+
+
+def settings_for(method: str, **fields: object) -> Settings:
+    """Settings for ``method`` with its paper defaults (e.g. BiLD's γ 10); ``fields`` override them."""
+    return Settings(method=method, **{**spec_of(method).defaults, **fields})
+
+
+def uses_draft(method: str) -> bool:
+    """Whether ``method`` runs the draft model (and so needs its context length and a draft cache)."""
+    return spec_of(method).drafts
 
 
 def racers() -> tuple[str, ...]:

@@ -14,13 +14,13 @@ from mtad.decoding.features import FeatureLM, Features
 from mtad.decoding.fused import fused_enabled
 from mtad.decoding.kv import KVCache
 from mtad.decoding.rules import log_tau
-from mtad.decoding.spec import spec_of
+from mtad.decoding.spec import spec_of, uses_draft
 from mtad.decoding.static_lm import StaticLM, compiles_draft
 from mtad.events import Step
 from mtad.models.devices import to_device
 from mtad.models.pair import ModelPair
 from mtad.sampling import Law, log_probs, make_generator, uniforms
-from mtad.settings import Settings, uses_draft
+from mtad.settings import Settings
 
 
 class CachedLM:

@@ -10,7 +10,15 @@ from pathlib import Path
 
 from mtad.models.errors import PairError
 
-ASSETS = Path(__file__).resolve().parents[2] / "assets"
+
+def _assets() -> Path:
+    """The shipped models, presets, prompts and tables: inside the installed package (a wheel carries the
+    checkout's ``assets/`` as ``mtad/assets``), else the checkout's own ``assets/``."""
+    installed = Path(__file__).resolve().parents[1] / "assets"
+    return installed if installed.is_dir() else Path(__file__).resolve().parents[2] / "assets"
+
+
+ASSETS = _assets()
 DEFAULT_PRESETS = ASSETS / "pairs.toml"
 OFFLINE_PAIR = "embedded"
 

@@ -66,8 +66,8 @@ def table_for(pair: ModelPair, table: AcceptanceTable | None) -> AcceptanceTable
     if table is None:
         raise ValueError(
             f"no acceptance table for the pair {pair.name!r}: measure one with "
-            "python -m mtad.tuning measure --draft D --target T --prompts FILE --out TABLE.json, then give "
-            "--acceptance TABLE.json to python -m mtad.tuning show, or with --tuned to generate or the bench"
+            "mtad tuning measure --draft D --target T --prompts FILE --out TABLE.json, then give "
+            "--acceptance TABLE.json to mtad tuning show, or with --tuned to generate or the bench"
         )
     return table
 

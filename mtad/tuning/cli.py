@@ -8,12 +8,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from mtad.cli import add_pair_args, add_sampling_args, load_pair_from_args, sampling_settings
+from mtad.flags import add_pair_args, add_sampling_args, load_pair_from_args, sampling_settings
 from mtad.settings import Settings
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m mtad.tuning", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="mtad tuning", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
     show = sub.add_parser("show", help="time the candidates here and rank them by predicted speed")
     measure = sub.add_parser("measure", help="measure a pair's tokens per target call per candidate")
@@ -40,7 +40,7 @@ def base_settings(args: argparse.Namespace) -> Settings:
 
 
 def run_show(args: argparse.Namespace) -> int:
-    from mtad.decoding.static_lm import warm_up_pair
+    from mtad.decoding.precompile import warm_up_pair
     from mtad.tuning.choose import fastest
     from mtad.tuning.table import GAMMAS, AcceptanceTable
 
@@ -86,7 +86,7 @@ def run_measure(args: argparse.Namespace) -> int:
     from mtad.bench.cli import parse_list
     from mtad.bench.report import git_commit
     from mtad.decoding import encode_prompt
-    from mtad.decoding.static_lm import warm_up_pair
+    from mtad.decoding.precompile import warm_up_pair
     from mtad.models.presets import default_pair_name
     from mtad.prompts import read_prompts
     from mtad.tuning.table import GAMMAS, AcceptanceTable, measure, table_path

@@ -5,9 +5,8 @@ from __future__ import annotations
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from mtad.decoding.spec import SpecField
+from mtad.decoding.spec import SpecField, uses_draft
 from mtad.energy import trapezoid_joules
-from mtad.settings import uses_draft
 from mtad.ui.record import LaneRecord
 
 COLOURS = SpecField("colour")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from mtad.decoding.spec import check
 from mtad.models.presets import Preset
 from mtad.prompts import PromptFileError, read_prompts
 from mtad.settings import PARAMS, Settings
@@ -97,7 +98,7 @@ def parse_settings(
         tau1=page_setting("tau1", tau1),
         tau2=page_setting("tau2", tau2),
     )
-    return s.validate()
+    return check(s)
 
 
 def example_prompts(preset: Preset | None, limit: int = 40) -> list[tuple[str, str]]:

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 from html import escape
-from pathlib import Path
 
 from mtad.metrics import Metrics, speedup
+from mtad.models.presets import ASSETS
 from mtad.ui.figures import COLOURS
 from mtad.ui.record import LABELS, LaneRecord
 
-RACE_FILE = Path(__file__).resolve().parents[2] / "assets" / "race.json"
+RACE_FILE = ASSETS / "race.json"
 MAX_SECONDS = 15.0  # a longer race plays faster, as Replay does
 MAX_POINTS = 120  # points of a lane's curve in its easing function
 

@@ -12,6 +12,7 @@ import gradio as gr
 import torch
 
 from mtad.decoding import encode_prompt, refusal
+from mtad.decoding.spec import check
 from mtad.models.errors import PairError
 from mtad.models.presets import presets
 from mtad.models.static_llama import resolve_engine
@@ -70,7 +71,7 @@ def check_run(
     chosen = pick_racers(left, right)
     settings = parse_settings(**values)
     for method in chosen:  # a method's own range (its spec) may be narrower than the page's
-        settings.with_(method=method).validate()
+        check(settings.with_(method=method))
     return settings, chosen
 
 

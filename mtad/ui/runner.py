@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import torch
 
 from mtad.decoding import decode
-from mtad.decoding.static_lm import needs_warm_up, warm_up_pair, warm_up_settings
+from mtad.decoding.precompile import needs_warm_up, warm_up_pair, warm_up_settings
 from mtad.models.errors import PairError
 from mtad.models.pair import ModelPair, load_pair
 from mtad.models.presets import presets
