@@ -10,10 +10,11 @@ from conftest import cached_next_logits, full_logits, seeded_run
 
 from mtad.decoding import DECODERS, beams, decode, generate
 from mtad.decoding.beams import beam_draft
+from mtad.decoding.kv import CachedLM
 from mtad.decoding.mtad import mtad_step
 from mtad.decoding.rules import mtad_accept_length
 from mtad.decoding.speculative import sd_step
-from mtad.decoding.state import CachedLM, DecodeState, to_host
+from mtad.decoding.state import DecodeState, to_host
 from mtad.models.pair import ModelPair
 from mtad.settings import Settings
 

@@ -13,7 +13,7 @@ import mtad.models.devices as devices_mod
 import mtad.models.pair as pair_mod
 from mtad.cli import main
 from mtad.decoding import generate
-from mtad.decoding.state import CachedLM
+from mtad.decoding.kv import CachedLM
 from mtad.models.devices import auto_dtype, cpu_has_native_bf16, resolve_device, resolve_device_map, resolve_dtype
 from mtad.models.errors import PairError
 from mtad.models.pair import load, load_pair

@@ -8,7 +8,7 @@ import random
 import torch
 from conftest import full_logits
 
-from mtad.decoding.state import CachedLM
+from mtad.decoding.kv import CachedLM
 
 
 def test_random_feeds_and_rollbacks_leave_the_cache_equal_to_a_recompute(tiny_pair) -> None:

@@ -10,7 +10,7 @@ import weakref
 import pytest
 import torch
 
-from mtad.decoding.state import CachedLM
+from mtad.decoding.kv import CachedLM
 from mtad.models.errors import PairError
 from mtad.settings import Settings
 from mtad.ui import runner

@@ -21,8 +21,9 @@ from test_shortlist_draft import micro_int8_pair  # noqa: F401 (a fixture, used 
 from test_tree import check_tree_forward
 
 from mtad.decoding import generate, static_lm
+from mtad.decoding.kv import CachedLM
 from mtad.decoding.precompile import WARMED, needs_warm_up, warm_up_pair, warm_up_settings
-from mtad.decoding.state import CachedLM, DecodeState, draft_lm
+from mtad.decoding.state import DecodeState, draft_lm
 from mtad.decoding.static_lm import TREE_BUCKETS, StaticLM
 from mtad.decoding.tree import TokenTree, keep_path, tree_allow
 from mtad.models.errors import PairError
@@ -1014,7 +1015,7 @@ ONE_ENGINE_RUN = """
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from mtad.decoding.state import CachedLM
+from mtad.decoding.kv import CachedLM
 from mtad.decoding.static_lm import StaticLM
 from mtad.decoding.precompile import WARMED, needs_warm_up, warm_up_pair, warm_up_settings
 from mtad.models.kernels import use_linear_kernel

@@ -8,9 +8,10 @@ import torch
 from conftest import cached_next_logits, full_logits
 from test_architectures import arch_pair  # noqa: F401  (the OPT/Qwen2 pair fixture)
 
+from mtad.decoding.kv import additive_mask
 from mtad.decoding.multidraft import layout, multi_step
 from mtad.decoding.specinfer import mss
-from mtad.decoding.state import DecodeState, additive_mask
+from mtad.decoding.state import DecodeState
 from mtad.decoding.tree import TokenTree, keep_path, tree_allow, verify_tree
 from mtad.settings import Settings
 

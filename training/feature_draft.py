@@ -121,7 +121,7 @@ def chain_mask(n: int, depth: int) -> torch.Tensor:
 def levels(draft: Any, samples: list[dict], depth: int) -> list[dict[str, torch.Tensor]]:
     """Per level (draft depth) 1..``depth``: ``onpolicy.draft_terms`` at every reply position that a
     chain of that depth reaches, from one forward over ``depth`` copies of each reply."""
-    from mtad.decoding.state import additive_mask
+    from mtad.decoding.kv import additive_mask
 
     n = max(len(s["ids"]) for s in samples) - 1  # positions that predict a next token
     hidden = samples[0]["feats"].shape[-1]

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from mtad.decoding.fused import fused
-from mtad.decoding.state import CachedLM, DecodeState
+from mtad.decoding.protocols import LanguageModel
+from mtad.decoding.state import DecodeState
 from mtad.sampling import Law, log_probs, top_log_probs
 
 
@@ -37,7 +38,7 @@ BeamDraft = Beams
 """MTAD's beams over the draft model (the name its decoders and tests use)."""
 
 
-def beam_search(st: DecodeState, lm: CachedLM, g: int, stop_at_eos: bool = False, raw: bool = False) -> Beams:
+def beam_search(st: DecodeState, lm: LanguageModel, g: int, stop_at_eos: bool = False, raw: bool = False) -> Beams:
     """Run g steps of beam search (or stochastic beam sampling) with ``st.settings.beams`` beams over ``lm``,
     the draft (MTAD) or the target (MTJD), whose unseen context is ``st.pending(lm)``.
 

@@ -1,9 +1,9 @@
-"""Shared machinery of every decoder: KV-cached models, the token buffer, the phase timer."""
+"""Shared machinery of every decoder: the generation's state (its models over their caches, the token buffer, the
+clock, the random generator), the phase timer and the iteration's one host read."""
 
 from __future__ import annotations
 
 import functools
-import inspect
 import time
 from dataclasses import dataclass, field
 
@@ -12,7 +12,8 @@ import torch
 from mtad.decoding.context_bias import ContextBias, weights_of
 from mtad.decoding.features import FeatureLM, Features
 from mtad.decoding.fused import fused_enabled
-from mtad.decoding.kv import KVCache
+from mtad.decoding.kv import CachedLM
+from mtad.decoding.protocols import LanguageModel, TreeLanguageModel
 from mtad.decoding.rules import log_tau
 from mtad.decoding.spec import spec_of, uses_draft
 from mtad.decoding.static_lm import StaticLM, compiles_draft
@@ -23,77 +24,7 @@ from mtad.sampling import Law, log_probs, make_generator, uniforms
 from mtad.settings import Settings
 
 
-class CachedLM:
-    """A causal LM with a KV cache that is never re-encoded, only extended and cropped."""
-
-    def __init__(self, model: torch.nn.Module, vocab: int, features: Features | None = None) -> None:
-        self.model = model
-        self.vocab = vocab
-        self.cache = KVCache(model.config)
-        self.features = features  # where to keep the last hidden states, for a draft that reads them
-        self._keep = "logits_to_keep" in inspect.signature(model.forward).parameters
-        # a shortlist draft computes logits for some tokens only (the rest are -inf): see feed
-        self.columns: torch.Tensor | None = getattr(model, "columns", None)
-
-    @property
-    def length(self) -> int:
-        """Tokens held in the cache."""
-        return self.cache.length
-
-    @torch.inference_mode()
-    def feed(self, tokens: torch.Tensor, keep: int = 1, columns: bool = False) -> torch.Tensor:
-        """Run ``tokens`` [B, n] after the cached context; fp32 logits of the last ``keep`` positions.
-
-        ``columns``: over :attr:`columns` only when the model has a shortlist (``[B, keep, len(columns)]``),
-        over the whole vocabulary otherwise."""
-        kwargs = {"logits_to_keep": keep} if self._keep else {}
-        short = columns and self.columns is not None
-        if short:
-            kwargs["shortlist_only"] = True
-        if self.features is not None:
-            start = self.length
-            hidden = self.model.get_decoder()(
-                input_ids=tokens, past_key_values=self.cache.past_key_values, use_cache=True
-            ).last_hidden_state
-            self.features.write(start, hidden)
-            return self.model.get_output_embeddings()(hidden[:, -keep:])[..., : self.vocab].float()
-        past = self.length
-        out = self.model(input_ids=tokens, past_key_values=self.cache.past_key_values, use_cache=True, **kwargs)
-        if self.cache.tokens is not None:
-            self.cache.tokens.write(tokens, past)
-        return out.logits[:, -keep:].float() if short else out.logits[:, -keep:, : self.vocab].float()
-
-    @torch.inference_mode()
-    def feed_masked(self, tokens: torch.Tensor, positions: list[int], allow: torch.Tensor) -> torch.Tensor:
-        """Run ``tokens`` [1, n] at rotary ``positions`` with ``allow`` [n, past + n] (True = attend), e.g. a
-        token tree; fp32 logits of every position [1, n, V]."""
-        device, past = tokens.device, self.length
-        out = self.model(
-            input_ids=tokens,
-            attention_mask=additive_mask(allow, self.model.dtype).to(device)[None, None],
-            position_ids=torch.tensor([positions], device=device),
-            past_key_values=self.cache.past_key_values,
-            use_cache=True,
-        )
-        if self.cache.tokens is not None:
-            self.cache.tokens.write(tokens, past)
-        return out.logits[..., : self.vocab].float()
-
-    def rollback(self, length: int) -> None:
-        """Forget cached positions beyond ``length``."""
-        self.cache.crop(length)
-
-    def prepare(self, tokens: torch.Tensor) -> None:
-        """Nothing to run before a forward (a feature-reading draft runs the target here)."""
-
-
-def additive_mask(allow: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """transformers' additive form of a boolean attention mask, in the model's dtype (it joins the scores):
-    0 where ``allow``, the dtype's lowest value elsewhere."""
-    return torch.zeros(allow.shape, dtype=dtype).masked_fill(~allow, torch.finfo(dtype).min)
-
-
-def target_lm(pair: ModelPair, features: Features | None = None) -> CachedLM | StaticLM:
+def target_lm(pair: ModelPair, features: Features | None = None) -> TreeLanguageModel:
     """The target as the pair's engine runs it: eager over a ``DynamicCache``, or compiled over a static one.
     ``features``: keep its last hidden states there (a draft reads them; eager only)."""
     if pair.engine == "compiled":
@@ -103,7 +34,7 @@ def target_lm(pair: ModelPair, features: Features | None = None) -> CachedLM | S
     return CachedLM(pair.target, pair.vocab_size, features)
 
 
-def draft_lm(pair: ModelPair) -> CachedLM | StaticLM:
+def draft_lm(pair: ModelPair) -> LanguageModel:
     """The draft as the pair's engine runs it: on the compiled engine it is compiled too when its layers are
     Llama layers (a shortlist draft's are), else it stays eager."""
     if compiles_draft(pair):
@@ -148,8 +79,8 @@ class DecodeState:
     settings: Settings
     ids: list[int]
     prompt_len: int
-    target: CachedLM | StaticLM
-    draft: CachedLM | StaticLM | FeatureLM | None
+    target: TreeLanguageModel
+    draft: LanguageModel | None
     device: torch.device
     eos_ids: frozenset[int]
     generator: torch.Generator
@@ -217,7 +148,7 @@ class DecodeState:
         """Draft at most gamma, and never more than leaves room for the target's own token."""
         return min(self.settings.gamma, self.remaining - 1)
 
-    def pending(self, lm: CachedLM) -> torch.Tensor:
+    def pending(self, lm: LanguageModel) -> torch.Tensor:
         """The tokens ``lm`` has not seen yet, as a [1, n] tensor. On CUDA they are copied from pinned memory
         without blocking: a copy from pageable memory would wait for the queued draft work (a host sync)."""
         return to_device(torch.tensor([self.ids[lm.length :]], dtype=torch.long), self.device)
@@ -245,7 +176,7 @@ class DecodeState:
         columns [B, C] (C = V, or a shortlist draft's K: map indices with :meth:`draft_tokens`)."""
         return self.run_next(self.draft, tokens)
 
-    def run_next(self, lm: CachedLM, tokens: torch.Tensor) -> torch.Tensor:
+    def run_next(self, lm: LanguageModel, tokens: torch.Tensor) -> torch.Tensor:
         """One forward of ``lm`` (the draft or the target) over ``tokens`` [B, n], timed in its own phase;
         the last position's logits [B, C] over its columns (a shortlist draft's, else the vocabulary)."""
         phase = "draft" if lm is self.draft else "target"
@@ -257,7 +188,7 @@ class DecodeState:
             logits = self.context.add(logits, lm)
         return logits
 
-    def tokens_of(self, lm: CachedLM, index: torch.Tensor) -> torch.Tensor:
+    def tokens_of(self, lm: LanguageModel, index: torch.Tensor) -> torch.Tensor:
         """Token ids of column indices of :meth:`run_next`'s output for ``lm``."""
         return index if lm.columns is None else lm.columns.take(index)  # take: no host read of a 0-d index
 

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from mtad.decoding.state import CachedLM, DecodeState
+from mtad.decoding.protocols import LanguageModel
+from mtad.decoding.state import DecodeState
 
 
 @dataclass
@@ -83,7 +84,7 @@ def verify_tree(st: DecodeState, tree: TokenTree) -> torch.Tensor:
     return logits
 
 
-def keep_path(lm: CachedLM, context: int, nodes: list[int]) -> None:
+def keep_path(lm: LanguageModel, context: int, nodes: list[int]) -> None:
     """Drop every cached tree node but ``nodes`` (the kept path), so the cache is the context
     (its first ``context`` positions) followed by the kept tokens in order."""
     lm.cache.keep_positions(list(range(context)) + [context + i for i in nodes])
