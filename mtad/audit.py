@@ -1,16 +1,16 @@
-"""``python -m mtad.audit OUT``: does each decoder emit tokens by the target's sampling law?
+"""``python -m mtad.audit OUT``: does each decoder emit tokens by the target's sampling distribution?
 
 A perplexity gap between two decoders has two parts: the *contexts* the runs happened to write
 (some texts are easier than others) and a *per-token* shift, tokens chosen more (or less) likely than
-the target's law at that position would choose them. Only the second is a property of the method;
+the target's distribution at that position would choose them. Only the second is a property of the method;
 an exact decoder (SD, Spectr, SpecInfer, transformers' assisted generation) has none.
 
 The audit re-scores a bench's runs with one full target forward per run (no KV cache, no drafts:
 independent of the decoders' own arithmetic) and sums, over every emitted token x_t,
 
-    log p_t(x_t) - E_{x ~ law_t}[log p_t(x)],     law_t = warp(p_t), the distribution sampled from.
+    log p_t(x_t) - E_{x ~ π_t}[log p_t(x)],     π_t = warp(p_t), the distribution sampled from.
 
-Under the target's law each term has mean 0 given the past, so the sum over N tokens is a
+Under the target's distribution each term has mean 0 given the past, so the sum over N tokens is a
 martingale: divided by the square root of its summed conditional variances it is about N(0, 1)
 (the z-score). The same holds for the indicator "x_t is the target's top token". Exact decoders
 should show |z| within noise; MTAD and BiLD show their shift and its sign. Greedy runs are checked
@@ -35,32 +35,32 @@ from mtad.sampling import log_probs, probs
 from mtad.settings import Settings
 
 Z_LIMIT = 4.0
-"""|z| above this is reported as a deviation from the target's law (two-sided p < 1e-4 under it)."""
+"""|z| above this is reported as a deviation from the target's distribution (two-sided p < 1e-4 under it)."""
 
 
 @dataclass
 class Calibration:
-    """Summed per-token statistics of some runs against the target's law at each position."""
+    """Summed per-token statistics of some runs against the target's distribution at each position."""
 
     tokens: int = 0
     log_likelihood: float = 0.0  # Σ log p(x_t): minus the runs' NLL, recomputed without a cache
-    excess: float = 0.0  # Σ log p(x_t) − E_law[log p] (nats); > 0: likelier tokens than the law gives
-    variance: float = 0.0  # Σ Var_law[log p]
+    excess: float = 0.0  # Σ log p(x_t) − E_π[log p] (nats); > 0: likelier tokens than the distribution gives
+    variance: float = 0.0  # Σ Var_π[log p]
     top1_hits: float = 0.0  # tokens that were the target's top token
-    top1_expected: float = 0.0  # Σ law(top token)
-    top1_variance: float = 0.0  # Σ law(top)(1 − law(top))
+    top1_expected: float = 0.0  # Σ distribution(top token)
+    top1_variance: float = 0.0  # Σ distribution(top)(1 − distribution(top))
 
     def __add__(self, other: Calibration) -> Calibration:
         return Calibration(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
 
     @property
     def mean_excess(self) -> float:
-        """Nats per token by which the emitted tokens beat (> 0) or trail the law's expectation."""
+        """Nats per token by which the emitted tokens beat (> 0) or trail the distribution's expectation."""
         return self.excess / self.tokens if self.tokens else math.nan
 
     @property
     def z(self) -> float:
-        """``excess`` in standard deviations of its law (about N(0, 1) for an exact decoder)."""
+        """``excess`` in standard deviations of its distribution (about N(0, 1) for an exact decoder)."""
         return self.excess / math.sqrt(self.variance) if self.variance > 0 else math.nan
 
     @property
@@ -75,7 +75,7 @@ class Calibration:
 
 @torch.inference_mode()
 def score_run(target: torch.nn.Module, prompt_ids: list[int], new_ids: list[int], settings: Settings) -> Calibration:
-    """One run's tokens against the law ``settings`` sample from, re-scored by one full forward."""
+    """One run's tokens against the distribution ``settings`` sample from, re-scored by one full forward."""
     if not new_ids:
         return Calibration()
     device = next(target.parameters()).device
@@ -85,14 +85,14 @@ def score_run(target: torch.nn.Module, prompt_ids: list[int], new_ids: list[int]
     raw = torch.log_softmax(rows, dim=-1)
     top = raw.argmax(dim=-1)
     if settings.is_greedy:
-        law = torch.nn.functional.one_hot(top, raw.shape[-1]).to(raw.dtype)
+        dist = torch.nn.functional.one_hot(top, raw.shape[-1]).to(raw.dtype)
     else:
-        law = probs(log_probs(rows, settings))
+        dist = probs(log_probs(rows, settings))
     x = torch.tensor(new_ids, device=device)
     lp_x = raw.gather(1, x[:, None])[:, 0]
-    mean = (law * raw).sum(-1)
-    var = ((law * raw.square()).sum(-1) - mean.square()).clamp_min(0)
-    p_top = law.gather(1, top[:, None])[:, 0]
+    mean = (dist * raw).sum(-1)
+    var = ((dist * raw.square()).sum(-1) - mean.square()).clamp_min(0)
+    p_top = dist.gather(1, top[:, None])[:, 0]
     return Calibration(
         tokens=n,
         log_likelihood=lp_x.sum().item(),
@@ -128,21 +128,21 @@ def audit_bench(bench: dict, pair: ModelPair, prompt_ids: list[list[int]]) -> di
 
 
 def verdict(method: str, greedy: bool, cal: Calibration) -> str:
-    """What the figures say: consistent with the target's law, or how the method departs from it."""
+    """What the figures say: consistent with the target's distribution, or how the method departs from it."""
     from mtad.decoding.spec import spec_of
 
     if greedy:
         return "all target argmax" if cal.top1_hits == cal.tokens else f"{cal.tokens - cal.top1_hits:.0f} not argmax"
     far = abs(cal.z) > Z_LIMIT or abs(cal.top1_z) > Z_LIMIT
     if spec_of(method).exact:
-        return "DEVIATES from the target's law" if far else "consistent with the target's law"
+        return "DEVIATES from the target's distribution" if far else "consistent with the target's distribution"
     if not far:
         return "no shift detected"
-    return "likelier tokens than the law" if cal.z > 0 else "less likely tokens than the law"
+    return "likelier tokens than the distribution" if cal.z > 0 else "less likely tokens than the distribution"
 
 
 def signed(z: float) -> str:
-    """A z-score to two places, or n/a (a greedy row's one-hot law has no variance)."""
+    """A z-score to two places, or n/a (a greedy row's one-hot distribution has no variance)."""
     return "n/a" if math.isnan(z) else f"{z:+.2f}"
 
 
@@ -167,7 +167,7 @@ def render(cases: dict[str, Calibration], verdicts: dict[str, str]) -> str:
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="mtad audit",
-        description="Check, token by token, whether each method of a bench run sampled by the target's law.",
+        description="Check, token by token, whether each method of a bench run sampled by the target's distribution.",
     )
     ap.add_argument("out", help="a bench --out directory (reads its bench.json, writes audit.json there)")
     add_pair_args(ap)
@@ -202,12 +202,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     methods = {r["case"]: (r["method"], bool(r["greedy"])) for r in bench["runs"]}
     verdicts = {case: verdict(*methods[case], cal) for case, cal in cases.items()}
-    print(
-        f"python -m mtad.audit {args.out}: pair {env['pair']}, {env['dtype']}, {sum(c.tokens for c in cases.values())} tokens"
-    )
+    print(f"mtad audit {args.out}: pair {env['pair']}, {env['dtype']}, {sum(c.tokens for c in cases.values())} tokens")
     print(render(cases, verdicts))
     print(
-        "excess: mean of log p(x) - E_law[log p] under the target's unwarped log-probabilities, law = the "
+        "excess: mean of log p(x) - E_π[log p] under the target's unwarped log-probabilities, π = the "
         "warped distribution the run sampled from (greedy rows: the argmax); z: the summed excess in standard "
         f"deviations (about N(0,1) for an exact decoder); |z| > {Z_LIMIT:g} is a deviation (docs/metrics.md)."
     )

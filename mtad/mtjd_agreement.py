@@ -31,7 +31,7 @@ from mtad.decoding.spec import check
 from mtad.decoding.state import DecodeState, to_host
 from mtad.events import Step, json_safe
 from mtad.models.pair import ModelPair
-from mtad.sampling import pick
+from mtad.sampling import sample_logp
 from mtad.settings import Settings
 
 
@@ -86,7 +86,7 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 def mtjd_choices(pair: ModelPair, prompt_ids: list[int], steps: Sequence[Step], settings: Settings) -> list:
     """MTJD's block at the context of each step of a run (None where the step drafted nothing): the best of
     W beams of K = ``len(step.draft_ids)`` tokens over the target (a one-token block is the target's own
-    draw, as in :func:`mtad.decoding.mtjd.mtjd_step`), under ``settings``' law, W and search. One target
+    draw, as in :func:`mtad.decoding.mtjd.mtjd_step`), under ``settings``' distribution, W and search. One target
     cache serves the whole run: it is cut back to the context after each search."""
     st = DecodeState.start(pair, prompt_ids, settings.with_(method="mtjd"))
     context = list(prompt_ids)
@@ -97,7 +97,9 @@ def mtjd_choices(pair: ModelPair, prompt_ids: list[int], steps: Sequence[Step], 
             st.begin()
             st.ids = list(context)
             if k == 1:
-                tok = pick(st.judged(st.run_next(st.target, st.pending(st.target)))[0], st.settings, st.generator)
+                tok = sample_logp(
+                    st.judged(st.run_next(st.target, st.pending(st.target)))[0], st.settings, generator=st.generator
+                )
                 block = [to_host(tok)[0]]
             else:
                 beams = target_beams(st, k)

@@ -16,7 +16,7 @@ from mtad.models.devices import to_device
 from mtad.settings import Settings
 
 
-class Law(NamedTuple):
+class Warp(NamedTuple):
     """What the warps read of a run's :class:`~mtad.settings.Settings`. Made for a device
     (:meth:`of`), the temperature and top-p are 0-d tensors there: a compiled function takes them as
     inputs (:mod:`mtad.decoding.fused`), so a visitor's new value runs the same graph, not a new one."""
@@ -29,8 +29,8 @@ class Law(NamedTuple):
     top_p: float | torch.Tensor
 
     @classmethod
-    def of(cls, settings: Settings, device: torch.device | None = None) -> Law:
-        """``settings``' law, its values as Python numbers, or as 0-d fp32 tensors on ``device`` (made once a
+    def of(cls, settings: Settings, device: torch.device | None = None) -> Warp:
+        """``settings``' distribution, its values as Python numbers, or as 0-d fp32 tensors on ``device`` (made once a
         generation: on a GPU they are a copy from the host)."""
         t, p = settings.temperature, settings.top_p
         if device is not None:  # one copy in, without blocking
@@ -38,7 +38,7 @@ class Law(NamedTuple):
         return cls(settings.is_greedy, settings.tempered, t, settings.top_k, settings.nucleus, p)
 
 
-def warper(settings: Settings | Law) -> LogitsProcessorList:
+def warper(settings: Settings | Warp) -> LogitsProcessorList:
     """transformers' own warpers in the paper's order: temperature, top-k, top-p."""
     procs = LogitsProcessorList()
     if settings.is_greedy:
@@ -52,7 +52,7 @@ def warper(settings: Settings | Law) -> LogitsProcessorList:
     return procs
 
 
-def log_probs(logits: torch.Tensor, settings: Settings | Law) -> torch.Tensor:
+def log_probs(logits: torch.Tensor, settings: Settings | Warp) -> torch.Tensor:
     """Log-probabilities the run samples from and judges with, over the last dim.
 
     Sampling: log softmax of the warped logits (filtered tokens get -inf), normalised by the kept mass that
@@ -67,11 +67,11 @@ def log_probs(logits: torch.Tensor, settings: Settings | Law) -> torch.Tensor:
     top = _top_list(flat, settings)
     if top is None:
         return torch.log_softmax(warper(settings)(None, flat), dim=-1).reshape(shape)
-    out = _law(top.x, top.vals, top.idx, top.keep_top, top.kept_ties, top.log_mass)
+    out = _distribution(top.x, top.vals, top.idx, top.keep_top, top.kept_ties, top.log_mass)
     return out if logits.dim() == 2 else out.reshape(shape)
 
 
-def _law(
+def _distribution(
     x: torch.Tensor,
     vals: torch.Tensor,
     idx: torch.Tensor,
@@ -80,12 +80,12 @@ def _law(
     log_mass: torch.Tensor | None = None,
     at: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The warped law over whole rows [rows, V] from its top list (:class:`TopList`'s fields): ``x`` less
+    """The warped distribution over whole rows [rows, V] from its top list (:class:`TopList`'s fields): ``x`` less
     ``log_mass`` (log p; None: the kept logits themselves) where a token is kept, -inf elsewhere. ``at``:
     the rows of ``x`` the list describes (None: all of them).
 
     Where no row keeps a tie of the k-th logit that ``topk`` left out (most rows: top-p cuts inside the
-    list) the law lives on the list alone, and is written into a row of -inf: one pass over the row
+    list) the distribution lives on the list alone, and is written into a row of -inf: one pass over the row
     instead of six. Knowing that needs a host read, free on the CPU only; on a GPU the general path runs,
     so the decoders' one read an iteration stays one."""
     if _none_on_cpu(kept_ties):
@@ -106,13 +106,13 @@ def reads_free(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
-Listed = tuple[torch.Tensor, torch.Tensor]
-"""A law on its top-k lists in token order (:func:`_listed`): log p [rows, k] (-inf where top-p drops a
+ListedDistribution = tuple[torch.Tensor, torch.Tensor]
+"""A distribution on its top-k lists in token order (:func:`_listed_distribution`): log p [rows, k] (-inf where top-p drops a
 token) and the tokens (columns) [rows, k]."""
 
 
-def _listed(top: TopList, at: torch.Tensor | None = None) -> Listed | None:
-    """The law of rows ``at`` (all: None) on their top-k lists alone, in token order: log p [rows, k] (-inf
+def _listed_distribution(top: TopList, at: torch.Tensor | None = None) -> ListedDistribution | None:
+    """The distribution of rows ``at`` (all: None) on their top-k lists alone, in token order: log p [rows, k] (-inf
     where top-p drops a token) and the tokens [rows, k]; None unless no row keeps a tie the list left out,
     which only the CPU knows for free (:func:`_none_on_cpu`; elsewhere the callers draw from whole rows).
     Every token off the list has p = 0 then, so a draw over the list in token order is the draw over the
@@ -127,39 +127,39 @@ def _listed(top: TopList, at: torch.Tensor | None = None) -> Listed | None:
     return lp.gather(-1, order), idx
 
 
-def _draw_listed(lp: torch.Tensor, idx: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """One token a row of a listed law (:func:`_listed`) drawn at uniforms ``u`` [rows, 1]: [rows]."""
-    return idx.gather(-1, sample_at(probs(lp), u)[:, None])[:, 0]
+def _sample_listed(lp: torch.Tensor, idx: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token a row of a listed distribution (:func:`_listed_distribution`) drawn at uniforms ``u`` [rows, 1]: [rows]."""
+    return idx.gather(-1, sample(probs(lp), u)[:, None])[:, 0]
 
 
-def _law_of(logits: torch.Tensor, settings: Settings | Law, top: TopList | None) -> torch.Tensor:
+def _distribution_of(logits: torch.Tensor, settings: Settings | Warp, top: TopList | None) -> torch.Tensor:
     """:func:`log_probs` of [rows, C] ``logits`` from their top list ``top`` already made (None: greedy, or
     top-k off, where :func:`log_probs` needs none)."""
     if top is None:
         return log_probs(logits, settings)
-    return _law(top.x, top.vals, top.idx, top.keep_top, top.kept_ties, top.log_mass)
+    return _distribution(top.x, top.vals, top.idx, top.keep_top, top.kept_ties, top.log_mass)
 
 
-def law_and_draw(
-    logits: torch.Tensor, settings: Settings | Law, u: torch.Tensor | None
-) -> tuple[torch.Tensor | Listed, torch.Tensor]:
-    """The run's law over [rows, C] ``logits`` and a column a row drawn from it at uniforms ``u`` [rows, 1]
-    (None when greedy: argmax), as :func:`pick_at` draws it. The law is kept as the draw made it: on the
-    top-k lists where it lives there (:func:`_listed`: log p and columns [rows, k], in token order), without
+def sample_logits(
+    logits: torch.Tensor, settings: Settings | Warp, u: torch.Tensor | None
+) -> tuple[torch.Tensor | ListedDistribution, torch.Tensor]:
+    """The run's distribution over [rows, C] ``logits`` and a column a row drawn from it at uniforms ``u`` [rows, 1]
+    (None when greedy: argmax), as :func:`sample_logp` draws it. The distribution is kept as the draw made it: on the
+    top-k lists where it lives there (:func:`_listed_distribution`: log p and columns [rows, k], in token order), without
     writing whole rows; else :func:`log_probs` over whole rows [rows, C]."""
     logits = _fp32(logits)
     top = None if settings.is_greedy else _top_list(logits, settings)
-    listed = None if top is None else _listed(top)
+    listed = None if top is None else _listed_distribution(top)
     if listed is None:
-        lp = _law_of(logits, settings, top)
-        return lp, pick_at(lp, settings, u)
-    return listed, _draw_listed(*listed, u)
+        lp = _distribution_of(logits, settings, top)
+        return lp, sample_logp(lp, settings, u)
+    return listed, _sample_listed(*listed, u)
 
 
-def draw_token(logits: torch.Tensor, settings: Settings | Law, u: torch.Tensor | None) -> torch.Tensor:
-    """A column a row of [rows, C] ``logits`` drawn from the run's law at uniforms ``u`` [rows, 1] (None when
-    greedy: argmax): :func:`law_and_draw`'s draw, for a caller that keeps no law."""
-    return law_and_draw(logits, settings, u)[1]
+def sample_token(logits: torch.Tensor, settings: Settings | Warp, u: torch.Tensor | None) -> torch.Tensor:
+    """A column a row of [rows, C] ``logits`` drawn from the run's distribution at uniforms ``u`` [rows, 1] (None when
+    greedy: argmax): :func:`sample_logits`'s draw, for a caller that keeps no distribution."""
+    return sample_logits(logits, settings, u)[1]
 
 
 def _none_on_cpu(t: torch.Tensor) -> bool:
@@ -173,7 +173,7 @@ def _fp32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 else t.float()
 
 
-def warp(logits: torch.Tensor, settings: Settings | Law) -> torch.Tensor:
+def warp(logits: torch.Tensor, settings: Settings | Warp) -> torch.Tensor:
     """Temperature, then top-k, then top-p on [rows, V] logits, as transformers' warpers do.
 
     With top-k on (the paper's k=20), top-p only has to look at the top-k survivors: one ``topk``
@@ -188,18 +188,18 @@ def warp(logits: torch.Tensor, settings: Settings | Law) -> torch.Tensor:
     top = _top_list(logits, settings)
     if top is None:
         return warper(settings)(None, logits)
-    return _law(top.x, top.vals, top.idx, top.keep_top, top.kept_ties)
+    return _distribution(top.x, top.vals, top.idx, top.keep_top, top.kept_ties)
 
 
 class TopList(NamedTuple):
-    """A warped law over [rows, V] in the top-k list's terms (:func:`_top_list`)."""
+    """A warped distribution over [rows, V] in the top-k list's terms (:func:`_top_list`)."""
 
     x: torch.Tensor  # the tempered logits [rows, V]
     vals: torch.Tensor  # their top k, largest first [rows, k]
     idx: torch.Tensor  # where those are [rows, k]
     keep_top: torch.Tensor | None  # which of the list top-p keeps (None: all, top-p off) [rows, k]
     kept_ties: torch.Tensor  # how many of the ties the list left out it keeps [rows, 1]
-    log_mass: torch.Tensor  # the log of the kept mass, the law's log-normaliser [rows, 1]
+    log_mass: torch.Tensor  # the log of the kept mass, the distribution's log-normaliser [rows, 1]
 
 
 TIES_SEEN = 16
@@ -207,9 +207,9 @@ TIES_SEEN = 16
 (bf16 logits of a 49,152-token vocabulary had at most 7 in 2,000 random rows)."""
 
 
-def _top_list(logits: torch.Tensor, settings: Settings | Law) -> TopList | None:
+def _top_list(logits: torch.Tensor, settings: Settings | Warp) -> TopList | None:
     """Top-k, then top-p on its list and the k-th logit's ties it left out (they hold mass): what
-    :func:`log_probs`, :func:`top_log_probs` and :class:`RowLaws` read the law from; None where top-k is off.
+    :func:`log_probs`, :func:`top_log_probs` and :class:`RowDistributions` read the distribution from; None where top-k is off.
 
     ``topk`` takes :data:`TIES_SEEN` values more than the list (as fast, for a few dozen): where the last of
     them is below the k-th logit in every row, they hold every tie the list left out, and counting those
@@ -233,7 +233,7 @@ def _top_list(logits: torch.Tensor, settings: Settings | Law) -> TopList | None:
 def _keep(
     ties: torch.Tensor, idx: torch.Tensor, keep_top: torch.Tensor | None, kept_ties: torch.Tensor
 ) -> torch.Tensor:
-    """Which tokens of [rows, V] the warped law keeps: the top-k list's kept ones (``keep_top``; all where
+    """Which tokens of [rows, V] the warped distribution keeps: the top-k list's kept ones (``keep_top``; all where
     top-p is off), then the first ``kept_ties`` of the k-th logit's ties that ``topk`` left out, by token id.
     Overwrites ``ties``."""
     if keep_top is None:
@@ -243,15 +243,15 @@ def _keep(
     return (ties & (tie_rank <= kept_ties)).scatter_(-1, idx, keep_top)
 
 
-class RowLaws:
-    """The run's law over [rows, V] logits, read only where a rule looks: each drafted token's log p under
+class RowDistributions:
+    """The run's distribution over [rows, V] logits, read only where a rule looks: each drafted token's log p under
     its own row, and one whole row to draw from.
 
     Warping every row whole (:func:`log_probs`) costs several passes over rows x V; a verification rule
-    needs log p of one token per row and the law of the row it stops at. The same top-k list, ties and
+    needs log p of one token per row and the distribution of the row it stops at. The same top-k list, ties and
     top-p cut as :func:`log_probs`, so the values are the same, bit for bit."""
 
-    def __init__(self, logits: torch.Tensor, settings: Settings | Law) -> None:
+    def __init__(self, logits: torch.Tensor, settings: Settings | Warp) -> None:
         self.top = None if settings.is_greedy else _top_list(_fp32(logits), settings)
         self.full = log_probs(logits, settings) if self.top is None else None  # whole rows: greedy, or no top-k
 
@@ -283,38 +283,38 @@ class RowLaws:
 
     def probs_at(self, i: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Row ``i``'s probabilities (a 1-element tensor: no host read): on its top-k list in token order,
-        with those tokens, where the law lives there (:func:`_listed`: [k], [1, k]); else over the whole
+        with those tokens, where the distribution lives there (:func:`_listed_distribution`: [k], [1, k]); else over the whole
         row, and None."""
-        listed = None if self.top is None else _listed(self.top, at=i)
+        listed = None if self.top is None else _listed_distribution(self.top, at=i)
         if listed is None:
             return probs(self.row(i)), None
         lp, tokens = listed
         return probs(lp)[0], tokens
 
-    def pick(self, i: torch.Tensor, settings: Settings | Law, u: torch.Tensor | None) -> torch.Tensor:
-        """A token of row ``i`` drawn at uniform ``u`` [1] as :func:`pick_at` draws it (argmax when greedy),
-        from the row's list where its law lives there: 0-d."""
+    def sample(self, i: torch.Tensor, settings: Settings | Warp, u: torch.Tensor | None) -> torch.Tensor:
+        """A token of row ``i`` drawn at uniform ``u`` [1] as :func:`sample_logp` draws it (argmax when greedy),
+        from the row's list where its distribution lives there: 0-d."""
         if settings.is_greedy:
-            return pick_at(self.row(i), settings, u)
+            return sample_logp(self.row(i), settings, u)
         p, tokens = self.probs_at(i)
-        drawn = sample_at(p, u)
+        drawn = sample(p, u)
         return drawn if tokens is None else tokens[0].take(drawn)
 
     def row(self, i: torch.Tensor) -> torch.Tensor:
-        """The whole law, log p [V], of row ``i`` (a 1-element tensor: no host read)."""
+        """The whole distribution, log p [V], of row ``i`` (a 1-element tensor: no host read)."""
         if self.full is not None:
             return self.full.index_select(0, i)[0]
         pick_row = lambda t: None if t is None else t.index_select(0, i)  # noqa: E731
         top = self.top
         fields = (top.vals, top.idx, top.keep_top, top.kept_ties, top.log_mass)
-        return _law(top.x, *map(pick_row, fields), at=i)[0]
+        return _distribution(top.x, *map(pick_row, fields), at=i)[0]
 
 
-def top_log_probs(logits: torch.Tensor, settings: Settings | Law, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The ``n`` first tokens of each row of [rows, V] ``logits`` in the warped law's order and their log p
-    under it (-inf where top-p drops them), without the whole rows' law: what a beam step needs.
+def top_log_probs(logits: torch.Tensor, settings: Settings | Warp, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The ``n`` first tokens of each row of [rows, V] ``logits`` in the warped distribution's order and their log p
+    under it (-inf where top-p drops them), without the whole rows' distribution: what a beam step needs.
 
-    The same law as :func:`log_probs` (the top-k list in ``topk``'s order, then the ties of the k-th logit
+    The same distribution as :func:`log_probs` (the top-k list in ``topk``'s order, then the ties of the k-th logit
     it left out; top-p keeps a prefix), to rounding: the left-out ties are only counted, for the mass they
     hold. None where this does not apply (greedy, top-k off, or ``n`` past top-k): use
     :func:`log_probs`."""
@@ -327,11 +327,11 @@ def top_log_probs(logits: torch.Tensor, settings: Settings | Law, n: int) -> tup
 
 
 def _top_p_on_list(
-    vals: torch.Tensor, left_out: torch.Tensor, settings: Settings | Law
+    vals: torch.Tensor, left_out: torch.Tensor, settings: Settings | Warp
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """Top-p on a sorted top-k list ``vals`` [rows, k] followed by ``left_out`` [rows, 1] more tokens tied with
     its last: which of the list it keeps (None: all, top-p off), how many of the left-out ties [rows, 1], and
-    the log of the kept mass [rows, 1], the warped law's log-normaliser.
+    the log of the kept mass [rows, 1], the warped distribution's log-normaliser.
 
     transformers drops a token when the mass ranked strictly above it is >= top_p (the first stays: nothing
     is above it); the left-out tie of rank r has the list's mass and r - 1 ties' above it."""
@@ -359,16 +359,18 @@ def _top_p_on_list(
     return keep_top, kept_ties, mass.log_().add_(top)
 
 
-def pick(logp: torch.Tensor, settings: Settings | Law, generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row: argmax when greedy, else a draw from exp(logp)."""
-    u = None if settings.is_greedy else uniforms(logp.shape[:-1], generator, logp.device, logp.dtype)
-    return pick_at(logp, settings, u)
-
-
-def pick_at(logp: torch.Tensor, settings: Settings | Law, u: torch.Tensor | None) -> torch.Tensor:
-    """:func:`pick` with its uniforms ``u`` already drawn (:func:`uniforms`; None when greedy): the draw
-    apart from the generator, so it can run inside a compiled graph (:mod:`mtad.decoding.fused`)."""
-    return logp.argmax(dim=-1) if settings.is_greedy else sample_at(probs(logp), u)
+def sample_logp(
+    logp: torch.Tensor,
+    warp: Settings | Warp,
+    u: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """One token a row of normalised log-probabilities ``logp`` [..., V]: the argmax when greedy, else a draw
+    (:func:`sample`) at uniforms ``u`` [..., 1], drawn from ``generator`` when not given. Given uniforms keep the
+    draw apart from the generator, so that it runs inside a compiled graph (:mod:`mtad.decoding.fused`)."""
+    if warp.is_greedy:
+        return logp.argmax(dim=-1)
+    return sample(probs(logp), u, generator)
 
 
 def probs(logp: torch.Tensor) -> torch.Tensor:
@@ -381,26 +383,26 @@ def probs(logp: torch.Tensor) -> torch.Tensor:
     return torch.softmax(logp, dim=-1)
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One draw per row from (unnormalised, non-negative) ``probs``, by inverting the cumulative sum.
-
-    Exact for any weights: the draw is the first index whose cumulative weight exceeds u * total,
-    u uniform in [0, 1), so a zero weight is never drawn. ``torch.multinomial`` draws the same law
-    but costs far more over a 49k vocabulary on the CPU.
-    """
-    return sample_at(probs, uniforms(probs.shape[:-1], generator, probs.device, probs.dtype))
-
-
 def uniforms(
     rows: torch.Size, generator: torch.Generator | None, device: torch.device, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """One uniform in [0, 1) per row of ``rows`` (a shape), [..., 1] in the dtype of the weights they will
-    be inverted against (:func:`sample_at`)."""
+    be inverted against (:func:`sample`)."""
     return torch.rand((*rows, 1), generator=generator, device=device, dtype=dtype)
 
 
-def sample_at(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """:func:`sample` with its uniforms ``u`` [..., 1] drawn (:func:`uniforms`)."""
+def sample(
+    probs: torch.Tensor, u: torch.Tensor | None = None, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """One draw a row of (unnormalised, non-negative) ``probs`` [..., V] at uniforms ``u`` [..., 1] (drawn
+    from ``generator`` when not given), by inverting the cumulative sum.
+
+    Exact for any weights: the draw is the first index whose cumulative weight exceeds u * total, u uniform in
+    [0, 1), so a zero weight is never drawn. ``torch.multinomial`` draws the same distribution but costs far more
+    over a 49k vocabulary on the CPU.
+    """
+    if u is None:
+        u = uniforms(probs.shape[:-1], generator, probs.device, probs.dtype)
     flat = probs if probs.dim() == 2 else probs.reshape(-1, probs.shape[-1])
     cdf = flat.cumsum(dim=-1)
     total = cdf[:, -1:]

@@ -131,7 +131,7 @@ class Settings:
 
     @property
     def nucleus(self) -> bool:
-        """Whether top-p cuts the law (below 1)."""
+        """Whether top-p cuts the distribution (below 1)."""
         return self.top_p < 1.0
 
     def with_(self, **changes: object) -> Settings:

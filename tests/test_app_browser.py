@@ -520,7 +520,7 @@ def test_sampled_spectr_and_bild_panels_teacher_mode_link_and_reply_view(browser
     page.get_by_label("Spectr", exact=True).check()
     page.wait_for_function("document.querySelector('#v-panel').innerText.includes('min(1, p/(ρq))')")
     text = panel.inner_text()
-    assert "ρ" in text and "(greedy)" not in text and "u_i" not in text and "warped laws" in text
+    assert "ρ" in text and "(greedy)" not in text and "u_i" not in text and "warped distributions" in text
     page.wait_for_function(
         "document.querySelector('#v-plot .gtitle')?.textContent.startsWith(\"Spectr: each try's acceptance\")",
         timeout=30_000,

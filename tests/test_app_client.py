@@ -21,7 +21,7 @@ from mtad.decoding import decode, encode_prompt  # noqa: E402
 from mtad.events import Step  # noqa: E402
 from mtad.metrics import summarize  # noqa: E402
 from mtad.settings import Settings  # noqa: E402
-from mtad.tuning import AcceptanceTable, candidates, law_of  # noqa: E402
+from mtad.tuning import AcceptanceTable, candidates, warp_of  # noqa: E402
 
 PAIR = "tiny"
 _SERVER: dict = {}
@@ -90,7 +90,7 @@ def launch_app(tiny_dirs: tuple[str, str], root: Path) -> dict:
 
 
 def tiny_acceptance_table() -> AcceptanceTable:
-    """A made-up acceptance table for the tiny pair under the page's default law (the page's "Fastest" times
+    """A made-up acceptance table for the tiny pair under the page's default warp (the page's "Fastest" times
     the candidates for real; only their tokens per target call are made up here)."""
     rows = [
         {"method": c.method, "gamma": c.gamma, "beams": c.beams, "new_tokens": 0, "target_calls": 0}
@@ -98,7 +98,7 @@ def tiny_acceptance_table() -> AcceptanceTable:
         for c in candidates()
     ]
     table = AcceptanceTable(PAIR, "made up", 16, [0], "float32", "2026-11-28", None)
-    table.laws.append({"law": law_of(Settings()), "rows": rows})
+    table.warps.append({"warp": warp_of(Settings()), "rows": rows})
     return table
 
 

@@ -10,7 +10,7 @@ from conftest import cached_next_logits, full_logits, make_tokenizer, save_pair
 from transformers import OPTConfig, OPTForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from mtad.decoding import generate
-from mtad.decoding.mtad import mtad_step
+from mtad.decoding.mtad import MTAD
 from mtad.decoding.state import DecodeState
 from mtad.models.pair import load
 from mtad.settings import Settings
@@ -74,7 +74,7 @@ def test_cache_matches_recompute_with_beams(arch_pair) -> None:
     s = Settings(method="mtad", gamma=4, beams=4, tau=0.3, max_new_tokens=40, seed=2)
     st = DecodeState.start(arch_pair, arch_pair.encode("abc def"), s)
     for _ in range(4):
-        mtad_step(st)
+        MTAD(st)
         for lm, model in ((st.target, arch_pair.target), (st.draft, arch_pair.draft)):
             torch.testing.assert_close(cached_next_logits(lm, st.ids), full_logits(model, st.ids), rtol=1e-4, atol=1e-4)
 

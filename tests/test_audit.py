@@ -1,4 +1,4 @@
-"""``mtad.audit``: whole runs re-scored by one full target forward, against the law they sampled from."""
+"""``mtad.audit``: whole runs re-scored by one full target forward, against the distribution they sampled from."""
 
 from __future__ import annotations
 
@@ -44,13 +44,13 @@ def test_recompute_equals_what_the_run_reported(close_pair):
 
 
 @pytest.mark.parametrize("method", ["ar", "sd", "spectr", "specinfer", "hf-assisted"])
-def test_exact_decoders_follow_the_target_law_over_whole_runs(audited, method):
+def test_exact_decoders_follow_the_target_distribution_over_whole_runs(audited, method):
     """Every position of every run, not only the first tokens: no shift beyond noise."""
     cal = audited[method]
     assert DECODERS[method].exact
     assert cal.tokens > 500
     assert abs(cal.z) < audit.Z_LIMIT and abs(cal.top1_z) < audit.Z_LIMIT, (cal.z, cal.top1_z)
-    assert audit.verdict(method, False, cal) == "consistent with the target's law"
+    assert audit.verdict(method, False, cal) == "consistent with the target's distribution"
 
 
 def test_the_audit_detects_mtads_shift(audited):
@@ -58,11 +58,11 @@ def test_the_audit_detects_mtads_shift(audited):
     cal = audited["mtad"]
     assert not DECODERS["mtad"].exact
     assert cal.z > audit.Z_LIMIT and cal.mean_excess > 0
-    assert audit.verdict("mtad", False, cal) == "likelier tokens than the law"
+    assert audit.verdict("mtad", False, cal) == "likelier tokens than the distribution"
 
 
 def test_a_biased_sampler_fails_the_audit(close_pair):
-    """Tokens drawn from the raw law while the audit is told the run used top-k 2: flagged."""
+    """Tokens drawn from the raw distribution while the audit is told the run used top-k 2: flagged."""
     wide = Settings(method="ar", max_new_tokens=48, top_k=0, top_p=1.0)
     narrow = Settings(method="ar", max_new_tokens=48, top_k=2, top_p=1.0)
     total = Calibration()
@@ -71,7 +71,7 @@ def test_a_biased_sampler_fails_the_audit(close_pair):
             run = generate(close_pair, prompt, Settings(**{**wide.to_dict(), "seed": seed}))
             total = total + score_run(close_pair.target, run.prompt_ids, run.new_ids, narrow)
     assert total.z < -audit.Z_LIMIT
-    assert audit.verdict("ar", False, total) == "DEVIATES from the target's law"
+    assert audit.verdict("ar", False, total) == "DEVIATES from the target's distribution"
 
 
 def test_greedy_runs_are_checked_against_the_argmax(close_pair):
@@ -83,7 +83,7 @@ def test_greedy_runs_are_checked_against_the_argmax(close_pair):
     ar = generate(close_pair, "abc de", Settings(method="ar", max_new_tokens=32, seed=1))
     sampled = score_run(close_pair.target, ar.prompt_ids, ar.new_ids, s)
     assert sampled.top1_hits < sampled.tokens  # sampled text is not all argmax
-    assert math.isnan(sampled.z)  # a one-hot law has no variance
+    assert math.isnan(sampled.z)  # a one-hot distribution has no variance
 
 
 def test_cli_audits_a_bench_directory(tiny_dirs, tmp_path, capsys):

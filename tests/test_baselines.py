@@ -1,5 +1,5 @@
 """BiLD, Spectr, SpecInfer and MTAD over all beams: greedy equalities, hand-made BiLD cases,
-the single-position rules against their exact law, and the multi-row cache against a recompute."""
+the single-position rules against their exact distribution, and the multi-row cache against a recompute."""
 
 from __future__ import annotations
 
@@ -230,14 +230,14 @@ def test_bild_sampled_trace_replays_both_thresholds_and_its_seed(close_pair) -> 
     assert seen["fallback"] and seen["rollback"] and seen["kept"], seen
 
 
-# --- the single-position rules against the law they must produce --------------------------------
+# --- the single-position rules against the distribution they must produce --------------------------------
 
 P = torch.tensor([0.05, 0.4, 0.3, 0.2, 0.05], dtype=torch.float64)
 Q = torch.tensor([0.4, 0.05, 0.1, 0.05, 0.4], dtype=torch.float64)
 DRAWS = 6000
 
 
-def rule_law(rule, k: int) -> Counter:  # noqa: ANN001
+def rule_warp(rule, k: int) -> Counter:  # noqa: ANN001
     g = torch.Generator().manual_seed(11)
     counts = Counter()
     for _ in range(DRAWS):
@@ -253,7 +253,7 @@ def pvalue(counts: Counter) -> float:
 
 @pytest.mark.parametrize("rule", [spectr.kseq, specinfer.mss], ids=["kseq", "mss"])
 def test_rule_output_is_p(rule) -> None:  # noqa: ANN001
-    assert pvalue(rule_law(rule, 3)) > 1e-3
+    assert pvalue(rule_warp(rule, 3)) > 1e-3
 
 
 def test_kseq_rho_keeps_the_residual_non_negative() -> None:
@@ -266,7 +266,7 @@ def test_kseq_rho_keeps_the_residual_non_negative() -> None:
 
 
 def test_kseq_rho_is_the_smallest_that_keeps_the_residual_non_negative() -> None:
-    """Any larger rho keeps the law too but accepts less: K-SEQ must take the smallest feasible one."""
+    """Any larger rho keeps the distribution too but accepts less: K-SEQ must take the smallest feasible one."""
     for k in (2, 3, 4, 6):
         rho = spectr.kseq_rho(P, Q, k)
 
@@ -278,7 +278,7 @@ def test_kseq_rho_is_the_smallest_that_keeps_the_residual_non_negative() -> None
         assert slack(rho - 1e-6) < 0, (k, rho)
 
 
-def test_mss_residual_of_equal_laws_is_the_law_not_nan() -> None:
+def test_mss_residual_of_equal_distributions_is_the_distribution_not_nan() -> None:
     """p = q leaves no residual mass (0 / 0): the residual falls back to p, never to NaN."""
     torch.testing.assert_close(specinfer.mss_residual(P, P), P, rtol=0, atol=0)
     r = specinfer.mss_residual(P, Q)
@@ -288,9 +288,9 @@ def test_mss_residual_of_equal_laws_is_the_law_not_nan() -> None:
 def test_wrong_rules_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """Negative controls: K-SEQ without its rho correction, MSS without its residual update."""
     monkeypatch.setattr(spectr, "kseq_rho", lambda p, q, k: 1.0)
-    assert pvalue(rule_law(spectr.kseq, 3)) < 1e-3
+    assert pvalue(rule_warp(spectr.kseq, 3)) < 1e-3
     monkeypatch.setattr(specinfer, "mss_residual", lambda p, q: p)
-    assert pvalue(rule_law(specinfer.mss, 3)) < 1e-3
+    assert pvalue(rule_warp(specinfer.mss, 3)) < 1e-3
 
 
 # --- caches after multi-row verification ----------------------------------------------------------

@@ -234,7 +234,7 @@ def test_sd_with_the_bias_matches_the_target_distribution(
     monkeypatch: pytest.MonkeyPatch,
     micro_shortlist_pair: ModelPair,  # noqa: F811
 ) -> None:
-    """The bias changes the draft's law (checked) and SD still samples the target's."""
+    """The bias changes the draft's distribution (checked) and SD still samples the target's."""
     pair = micro_shortlist_pair
     ids = pair.encode("abcab")
     monkeypatch.setenv(ENV, "3,3")

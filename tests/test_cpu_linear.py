@@ -7,7 +7,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from mtad.models.cpu_linear import StationaryLinear, stationary_linear, use_stationary_linears
+from mtad.models.cpu_linear import StationaryLinear, stationary_linear
+from mtad.models.kernels import use_linear_kernel
 from mtad.models.pair import load
 
 
@@ -44,12 +45,12 @@ def test_swap_keeps_parameters_and_ties() -> None:
     before = {k: v.data_ptr() for k, v in model.state_dict().items()}
     x = torch.randn(3, 6)
     want = model(x)
-    assert use_stationary_linears(model) == 3
+    assert use_linear_kernel(model, "stationary") == 3
     assert all(type(m) is StationaryLinear for m in (model[0], model[2], model[3]))
     assert model[3].weight is emb.weight
     assert {k: v.data_ptr() for k, v in model.state_dict().items()} == before
     assert torch.equal(model(x), want)  # fp32: the same F.linear
-    assert use_stationary_linears(model) == 0  # nothing left to swap
+    assert use_linear_kernel(model, "stationary") == 0  # nothing left to swap
 
 
 def test_bf16_cpu_pairs_get_the_kernel_they_are_told(

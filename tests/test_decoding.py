@@ -8,12 +8,12 @@ import pytest
 import torch
 from conftest import cached_next_logits, full_logits, seeded_run
 
-from mtad.decoding import DECODERS, beams, decode, generate
-from mtad.decoding.beams import beam_draft
+from mtad.decoding import DECODERS, decode, generate
+from mtad.decoding import mtad as mtad_decoder
 from mtad.decoding.kv import CachedLM
-from mtad.decoding.mtad import mtad_step
+from mtad.decoding.mtad import MTAD, beam_draft
 from mtad.decoding.rules import mtad_accept_length
-from mtad.decoding.speculative import sd_step
+from mtad.decoding.speculative import SD
 from mtad.decoding.state import DecodeState, to_host
 from mtad.models.pair import ModelPair
 from mtad.settings import Settings
@@ -49,7 +49,7 @@ def test_kv_cache_matches_full_recompute(request: pytest.FixtureRequest, case: s
     pair_name, s = CACHE_CASES[case]
     pair = request.getfixturevalue(pair_name)
     st = DecodeState.start(pair, pair.encode(PROMPT), s.with_(max_new_tokens=120))
-    step_fn = {"mtad": mtad_step, "sd": sd_step}[s.method]
+    step_fn = {"mtad": MTAD, "sd": SD}[s.method]
     steps = []
     # at least 8 steps, and on until a partial and a full acceptance were both checked
     while st.remaining > 0 and (len(steps) < 8 or not all(count_acceptances(steps, s.gamma))):
@@ -361,16 +361,16 @@ def test_bad_prompts_are_refused(tiny_pair: ModelPair) -> None:
 
 
 @pytest.mark.parametrize("top_p", [0.3, 1.0])
-def test_beam_steps_read_from_the_first_tokens_equal_the_whole_law(
+def test_beam_steps_read_from_the_first_tokens_equal_the_whole_distribution(
     close_pair: ModelPair, monkeypatch: pytest.MonkeyPatch, top_p: float
 ) -> None:
-    """MTAD's beam steps take each row's first W tokens under the warped law from ``top_log_probs``; taking
-    them from the whole rows' law (``log_probs``, then top-W) gives the same beams, joint log q and text.
+    """MTAD's beam steps take each row's first W tokens under the warped distribution from ``top_log_probs``; taking
+    them from the whole rows' distribution (``log_probs``, then top-W) gives the same beams, joint log q and text.
     Top-p 0.3 often keeps fewer than W tokens: the beams past them carry -inf (their tokens are anyone's)."""
     s = Settings(method="mtad", gamma=4, beams=4, tau=0.3, top_p=top_p, seed=5, max_new_tokens=48)
     ids = close_pair.encode(PROMPT)
     fast = list(decode(close_pair, ids, s))
-    monkeypatch.setattr(beams, "top_log_probs", lambda *args: None)
+    monkeypatch.setattr(mtad_decoder, "top_log_probs", lambda *args: None)
     whole = list(decode(close_pair, ids, s))
     assert [st.appended_ids for st in fast] == [st.appended_ids for st in whole]
 

@@ -3,7 +3,7 @@
 It must start as exactly the shortlist draft it is made from, load through the Auto classes, read the
 target's true features for every committed position and none for drafted ones (so its KV-cached logits
 equal a recompute with those inputs), keep every rule exact (greedy SD equals greedy AR; sampled SD
-follows the target's law), and be refused where a decoder cannot give it features. The trainer's
+follows the target's distribution), and be refused where a decoder cannot give it features. The trainer's
 one-forward levels must equal each draft chain run on its own.
 """
 
@@ -137,13 +137,13 @@ def test_greedy_sd_and_mtad_at_tau_one_equal_greedy_ar(feature_pair: ModelPair) 
     assert sum(step.accepted for step in sd.steps) > 0, "no draft was ever accepted: the test shows nothing"
 
 
-def test_sampled_sd_with_a_feature_draft_follows_the_targets_law(micro_feature_pair: ModelPair) -> None:
+def test_sampled_sd_with_a_feature_draft_follows_the_targets_distribution(micro_feature_pair: ModelPair) -> None:
     pair = micro_feature_pair
     ids = pair.encode("abcab")
-    law = exact_first_two(pair, ids, SD)
+    exact = exact_first_two(pair, ids, SD)
     first = [next(decode(pair, ids, SD.with_(seed=k))) for k in range(100)]
     assert sum(s.accepted < len(s.draft_ids) for s in first) >= 20, "too few rejections to test the residual"
-    assert gof_pvalue(sampled_first_two(pair, ids, SD), law) > ALPHA
+    assert gof_pvalue(sampled_first_two(pair, ids, SD), exact) > ALPHA
 
 
 def test_a_decoder_that_cannot_feed_features_and_the_compiled_engine_are_refused(

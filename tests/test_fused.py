@@ -16,16 +16,15 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from mtad.bench.report import environment
 from mtad.decoding import DECODERS, decode, fused
-from mtad.decoding.beams import beam_step
-from mtad.decoding.draft_laws import DraftLaws
-from mtad.decoding.iteration import draw
-from mtad.decoding.mtad import judge
+from mtad.decoding.draft_distributions import DraftDistributions
+from mtad.decoding.iteration import sample_rows
+from mtad.decoding.mtad import beam_step, mtad_rule
 from mtad.decoding.precompile import warm_up_pair
 from mtad.decoding.rules import log_tau
-from mtad.decoding.speculative import sd_judge
+from mtad.decoding.speculative import sd_rule
 from mtad.decoding.state import DecodeState
 from mtad.models.pair import ModelPair
-from mtad.sampling import Law, RowLaws, law_and_draw, log_probs
+from mtad.sampling import RowDistributions, Warp, log_probs, sample_logits
 from mtad.settings import Settings
 
 SAMPLING = Settings(method="mtad", temperature=0.9, top_k=20, top_p=0.9)
@@ -33,9 +32,9 @@ GREEDY = Settings(method="mtad", greedy=True)
 VOCAB = 3000
 
 
-def law_of(settings: Settings) -> Law:
-    """The law as a generation on the compiled bookkeeping holds it: its values 0-d tensors."""
-    return Law.of(settings, torch.device("cpu"))
+def warp_of(settings: Settings) -> Warp:
+    """The distribution as a generation on the compiled bookkeeping holds it: its values 0-d tensors."""
+    return Warp.of(settings, torch.device("cpu"))
 
 
 def threshold(tau: float) -> torch.Tensor:
@@ -100,9 +99,9 @@ def test_a_function_that_fails_to_compile_runs_as_written(caplog: pytest.LogCapt
 @pytest.mark.parametrize("settings", [SAMPLING, GREEDY], ids=["sampling", "greedy"])
 @pytest.mark.parametrize("rows", [1, 6])
 def test_a_beam_step_compiled_equals_the_step_as_written(settings: Settings, rows: int) -> None:
-    law, x = law_of(settings), logits_with_ties(rows, seed=rows)
+    warp, x = warp_of(settings), logits_with_ties(rows, seed=rows)
     scores = torch.zeros(1) if rows == 1 else torch.randn(rows, generator=torch.Generator().manual_seed(1))
-    same(beam_step(x, scores, law, 6, fuse=False), beam_step(x, scores, law, 6, fuse=True))
+    same(beam_step(x, scores, warp, 6, fuse=False), beam_step(x, scores, warp, 6, fuse=True))
 
 
 @pytest.mark.parametrize("settings", [SAMPLING, GREEDY], ids=["sampling", "greedy"])
@@ -110,27 +109,27 @@ def test_a_beam_step_compiled_equals_the_step_as_written(settings: Settings, row
 def test_mtad_s_rule_compiled_equals_the_rule_as_written(settings: Settings, g: int) -> None:
     """Drafts of the target's likeliest tokens, then one it gives no mass: a hand-made case where the
     passing prefix is known (the first g - 1 pass at τ = 0.1, the last cannot)."""
-    law, x = law_of(settings), logits_with_ties(g + 1, seed=10 + g)
+    warp, x = warp_of(settings), logits_with_ties(g + 1, seed=10 + g)
     draft = x[:g].argmax(-1)
-    draft[-1] = x[g - 1].argmin()  # outside every warped law: log p = -inf
+    draft[-1] = x[g - 1].argmin()  # outside every warped distribution: log p = -inf
     lq = torch.full((g,), math.log(0.5))
     u = None if settings.is_greedy else torch.rand(1, generator=torch.Generator().manual_seed(3))
-    eager = judge(x, draft, lq, law, threshold(0.1), u, fuse=False)
-    same(eager, judge(x, draft, lq, law, threshold(0.1), u, fuse=True))
+    eager = mtad_rule(x, draft, lq, warp, threshold(0.1), u, fuse=False)
+    same(eager, mtad_rule(x, draft, lq, warp, threshold(0.1), u, fuse=True))
     assert int(eager[2]) == g - 1
-    assert int(judge(x, draft, lq, law, None, u, fuse=True)[2]) == 0  # τ = 1 passes nothing
+    assert int(mtad_rule(x, draft, lq, warp, None, u, fuse=True)[2]) == 0  # τ = 1 passes nothing
 
 
 @pytest.mark.parametrize("settings", [SAMPLING, GREEDY], ids=["sampling", "greedy"])
 def test_sd_s_rule_compiled_equals_the_rule_as_written(settings: Settings) -> None:
     g = 4
-    law, x = law_of(settings), logits_with_ties(g + 1, seed=20)
-    log_q = log_probs(x[:g] + torch.randn(g, VOCAB, generator=torch.Generator().manual_seed(4)), law)
+    warp, x = warp_of(settings), logits_with_ties(g + 1, seed=20)
+    log_q = log_probs(x[:g] + torch.randn(g, VOCAB, generator=torch.Generator().manual_seed(4)), warp)
     draft = log_q.argmax(-1)
     gen = torch.Generator().manual_seed(5)
     tests, u = (None, None) if settings.is_greedy else (torch.rand(g, generator=gen), torch.rand(1, generator=gen))
-    q = DraftLaws(log_q, None, None, VOCAB)
-    same(sd_judge(x, draft, q, law, tests, u, fuse=False), sd_judge(x, draft, q, law, tests, u, fuse=True))
+    q = DraftDistributions(log_q, None, None, VOCAB)
+    same(sd_rule(x, draft, q, warp, tests, u, fuse=False), sd_rule(x, draft, q, warp, tests, u, fuse=True))
 
 
 @pytest.mark.parametrize("shape", [(VOCAB,), (3, VOCAB)])
@@ -138,11 +137,11 @@ def test_a_draw_compiled_equals_the_draw_as_written(shape: tuple) -> None:
     x = logits_with_ties(math.prod(shape) // VOCAB, seed=30).view(shape)
     u = torch.rand((*shape[:-1], 1), generator=torch.Generator().manual_seed(6))
     (eager, col), (compiled, compiled_col) = (
-        draw(x, law_of(SAMPLING), u, fuse=False),
-        draw(x, law_of(SAMPLING), u, fuse=True),
+        sample_rows(x, warp_of(SAMPLING), u, fuse=False),
+        sample_rows(x, warp_of(SAMPLING), u, fuse=True),
     )
-    if isinstance(eager, tuple):  # on the CPU, the lists its law lives on
-        eager = DraftLaws(None, *eager, VOCAB).full().view(shape)
+    if isinstance(eager, tuple):  # on the CPU, the lists its distribution lives on
+        eager = DraftDistributions(None, *eager, VOCAB).full().view(shape)
     same((eager, col), (compiled, compiled_col))
 
 
@@ -150,15 +149,15 @@ def test_new_settings_are_inputs_to_the_same_graphs() -> None:
     """A visitor's new temperature, top-p or τ runs the graph already compiled: only turning the
     temperature or top-p on or off makes a new one."""
     counter = CompileCounterWithBackend("inductor")
-    code = judge.eager
+    code = mtad_rule.eager
     fresh = types.FunctionType(code.__code__.replace(), code.__globals__, code.__name__, code.__defaults__)
     rule = torch.compile(fresh, fullgraph=True, backend=counter)  # its own graphs, not other tests'
     x = logits_with_ties(3, seed=40)
     draft, lq, u = x[:2].argmax(-1), torch.full((2,), -0.5), torch.rand(1)
     values = [(1.0, 0.9, 0.1), (0.8, 0.9, 0.1), (0.8, 0.8, 0.1), (0.8, 0.8, 0.2), (0.7, 0.85, 0.3), (0.6, 0.7, 0.0)]
     for temperature, top_p, tau in values:
-        law = law_of(Settings(temperature=temperature, top_p=top_p))
-        same(judge.eager(x, draft, lq, law, threshold(tau), u), rule(x, draft, lq, law, threshold(tau), u))
+        warp = warp_of(Settings(temperature=temperature, top_p=top_p))
+        same(mtad_rule.eager(x, draft, lq, warp, threshold(tau), u), rule(x, draft, lq, warp, threshold(tau), u))
     assert counter.frame_count == 2  # T = 1, then T != 1
 
 
@@ -183,13 +182,13 @@ def test_one_host_read_per_iteration_around_the_compiled_bookkeeping(
 ) -> None:
     """A compiled function cannot read the host (``fullgraph`` refuses a graph that does), and a dispatch
     mode that counts reads cannot run one: so the functions run as written here, counted, with what the
-    compiled ones take (the law and τ as device tensors) and the warps' general paths, as on a GPU."""
+    compiled ones take (the distribution and τ as device tensors) and the warps' general paths, as on a GPU."""
     s = Settings(method=method, greedy=greedy, gamma=3, beams=4, tau=0.2, seed=1, max_new_tokens=40)
     with pytest.MonkeyPatch.context() as patch:  # host_reads undoes the test's own monkeypatch
         patch.setattr("mtad.decoding.state.fused_enabled", lambda pair: True)
         patch.setattr(fused.Fused, "__call__", lambda self, *a, fuse=False, **k: self.eager(*a, **k))
         st = DecodeState.start(close_pair, close_pair.encode("abc abc"), s)
-        assert st.fused and (greedy or isinstance(st.law.top_p, torch.Tensor))
+        assert st.fused and (greedy or isinstance(st.warp.top_p, torch.Tensor))
         for _ in range(4):
             with host_reads(monkeypatch) as counts:
                 DECODERS[method].step(st)
@@ -213,7 +212,7 @@ def test_sd_s_rule_draws_from_the_lists_what_it_draws_from_whole_rows(monkeypatc
     """On the CPU SD's residual is drawn over the target's top-k list where p lives there, with q read from the
     draft's own lists: the same verdicts and tokens as over the whole rows (a GPU's path), rejections and bonus
     tokens alike."""
-    law, g = law_of(SAMPLING), 4
+    warp, g = warp_of(SAMPLING), 4
     gen = torch.Generator().manual_seed(21)
     listed = rejected = q_listed = 0
     for trial in range(120):
@@ -221,44 +220,50 @@ def test_sd_s_rule_draws_from_the_lists_what_it_draws_from_whole_rows(monkeypatc
         y = x[:g] + torch.randn(g, VOCAB, generator=gen)
         if trial % 3 == 0:  # every draft kept, and q at row g - 1 near p at row g: the bonus token is p's
             y = x[1:] + 0.1 * torch.randn(g, VOCAB, generator=gen)
-        lq, drawn = law_and_draw(y, law, torch.rand(g, 1, generator=gen))
-        q = DraftLaws(None, lq[0], lq[1], VOCAB) if isinstance(lq, tuple) else DraftLaws(lq, None, None, VOCAB)
+        lq, drawn = sample_logits(y, warp, torch.rand(g, 1, generator=gen))
+        q = (
+            DraftDistributions(None, lq[0], lq[1], VOCAB)
+            if isinstance(lq, tuple)
+            else DraftDistributions(lq, None, None, VOCAB)
+        )
         q_listed += q.listed
         draft = drawn if trial % 2 else x[:g].argmax(-1)
         tests, u = torch.rand(g, generator=gen), torch.rand(1, generator=gen)
         if trial % 3 == 0:
             tests, draft = torch.zeros(g), x[:g].argmax(-1)
-        fast = sd_judge(x, draft, q, law, tests, u)
+        fast = sd_rule(x, draft, q, warp, tests, u)
         with monkeypatch.context() as m:
             m.setattr("mtad.sampling._none_on_cpu", lambda t: False)
-            whole = sd_judge(x, draft, DraftLaws(log_probs(y, law), None, None, VOCAB), law, tests, u)
+            whole = sd_rule(x, draft, DraftDistributions(log_probs(y, warp), None, None, VOCAB), warp, tests, u)
         same(whole, fast)
-        listed += bool(RowLaws(x, law).probs_at(fast[2].view(1))[1] is not None)
+        listed += bool(RowDistributions(x, warp).probs_at(fast[2].view(1))[1] is not None)
         rejected += int(fast[2]) < g
     assert listed > 60 and 20 < rejected < 100 and q_listed > 60
 
 
-def test_draft_laws_as_lists_are_the_whole_rows() -> None:
-    """The draft's laws kept as top-k lists give what whole rows give, bit for bit: log q of the drafts, q at
+def test_draft_distributions_as_lists_are_the_whole_rows() -> None:
+    """The draft's distributions kept as top-k lists give what whole rows give, bit for bit: log q of the drafts, q at
     other tokens (on and off the lists), whole rows, and the rows of a draft mixing listed and whole steps."""
-    law, g = law_of(SAMPLING), 3
+    warp, g = warp_of(SAMPLING), 3
     gen = torch.Generator().manual_seed(8)
     y = logits_with_ties(2 * g, seed=9).view(2, g, VOCAB)
-    steps = [law_and_draw(y[:, i], law, torch.rand(2, 1, generator=gen)) for i in range(g)]
+    steps = [sample_logits(y[:, i], warp, torch.rand(2, 1, generator=gen)) for i in range(g)]
     assert all(isinstance(lq, tuple) for lq, _ in steps)
-    rows = log_probs(y, law)
-    laws = DraftLaws.of_steps([lq for lq, _ in steps], VOCAB, spread=lambda t: t, tokens_of=lambda t: t)
-    assert laws.listed and torch.equal(laws.full(), rows)
-    whole = DraftLaws(rows, None, None, VOCAB)
+    rows = log_probs(y, warp)
+    distributions = DraftDistributions.of_steps(
+        [lq for lq, _ in steps], VOCAB, spread=lambda t: t, tokens_of=lambda t: t
+    )
+    assert distributions.listed and torch.equal(distributions.full(), rows)
+    whole = DraftDistributions(rows, None, None, VOCAB)
     drawn = torch.stack([col for _, col in steps], dim=1)
     others = torch.randint(VOCAB, (1, 50), generator=gen)
     for w in range(2):
-        assert torch.equal(laws.seq(w).of(drawn[w]), whole.seq(w).of(drawn[w]))
-        assert torch.isfinite(laws.seq(w).of(drawn[w])).all()
+        assert torch.equal(distributions.seq(w).of(drawn[w]), whole.seq(w).of(drawn[w]))
+        assert torch.isfinite(distributions.seq(w).of(drawn[w])).all()
         for i in range(g):
             at = torch.tensor([i])
-            tokens = torch.cat([laws.tokens[w, i][None], others], dim=1)
-            assert torch.equal(laws.seq(w).at(at, tokens), whole.seq(w).at(at, tokens))
-            assert torch.equal(laws.seq(w).row(at), rows[w, i])
+            tokens = torch.cat([distributions.tokens[w, i][None], others], dim=1)
+            assert torch.equal(distributions.seq(w).at(at, tokens), whole.seq(w).at(at, tokens))
+            assert torch.equal(distributions.seq(w).row(at), rows[w, i])
     mixed = [steps[0][0], rows[:, 1], steps[2][0]]
-    assert torch.equal(DraftLaws.of_steps(mixed, VOCAB, lambda t: t, lambda t: t).rows, rows)
+    assert torch.equal(DraftDistributions.of_steps(mixed, VOCAB, lambda t: t, lambda t: t).rows, rows)

@@ -37,7 +37,7 @@ def contexts(prompt_ids: list[int], steps: list[Step]) -> list[list[int]]:
 
 
 def judged_logps(pair: ModelPair, context: list[int], tokens: list[int], settings: Settings) -> torch.Tensor:
-    """Per-token log p of ``tokens`` after ``context`` under the run's law, from one full forward, no cache."""
+    """Per-token log p of ``tokens`` after ``context`` under the run's distribution, from one full forward, no cache."""
     with torch.inference_mode():
         logits = pair.target(input_ids=torch.tensor([context + tokens])).logits[0].float()
     rows = logits[len(context) - 1 : len(context) - 1 + len(tokens)]
@@ -62,7 +62,7 @@ def test_k1_is_ar_greedy_and_draw_for_draw(request: pytest.FixtureRequest, pair_
 
 
 def exhaustive_best(pair: ModelPair, context: list[int], k: int, settings: Settings) -> tuple[list[int], float]:
-    """The argmax over every sequence of k tokens of its joint log p under the run's law, a sequence ending at
+    """The argmax over every sequence of k tokens of its joint log p under the run's distribution, a sequence ending at
     its first EOS (the tokens after it do not count): V^(k-1) prefixes in one forward, no cache."""
     vocab = pair.vocab_size
     prefixes = list(itertools.product(range(vocab), repeat=k - 1))
@@ -88,11 +88,11 @@ def exhaustive_best(pair: ModelPair, context: list[int], k: int, settings: Setti
 @pytest.mark.parametrize(
     "settings",
     [Settings(greedy=True), Settings(temperature=1.3, top_k=5, top_p=0.95)],
-    ids=["greedy", "warped-law"],
+    ids=["greedy", "warped-distribution"],
 )
 def test_a_full_width_beam_search_finds_the_argmax_of_the_joint(micro_pair: ModelPair, settings: Settings) -> None:
     """With W = V^(K-1) beams the search is exhaustive: every step's K tokens are the argmax of the target's
-    joint law over all V^K blocks from that context (beam search with the default seed is deterministic)."""
+    joint distribution over all V^K blocks from that context (beam search with the default seed is deterministic)."""
     k, vocab = 3, micro_pair.vocab_size
     s = settings.with_(method="mtjd", gamma=k, beams=vocab ** (k - 1), max_new_tokens=4 * k, seed=0)
     ids = micro_pair.encode("abcab")

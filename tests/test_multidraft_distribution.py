@@ -25,14 +25,14 @@ def setup(micro_pair: ModelPair) -> tuple[ModelPair, list[int], dict]:
 def test_matches_target_distribution(setup: tuple, method: str, gamma: int) -> None:
     """gamma 2: the first two tokens are drafts or residual draws; gamma 1: the second is also the bonus
     token drawn from the target after a fully accepted draft."""
-    pair, ids, law = setup
+    pair, ids, exact = setup
     s = BASE.with_(method=method, gamma=gamma)
     first = [next(decode(pair, ids, s.with_(seed=k))) for k in range(100)]
     # the rare paths must run: a later candidate followed, and a full rejection (residual draw)
     assert sum(st.chosen > 0 for st in first) >= 5
     assert sum(st.accepted == 0 for st in first) >= 5
     assert gamma > 1 or sum(st.accepted == 1 for st in first) >= 5  # ... and the bonus token
-    assert gof_pvalue(sampled_first_two(pair, ids, s), law) > ALPHA
+    assert gof_pvalue(sampled_first_two(pair, ids, s), exact) > ALPHA
 
 
 @pytest.mark.parametrize(
@@ -44,6 +44,6 @@ def test_matches_target_distribution(setup: tuple, method: str, gamma: int) -> N
     ids=["spectr-without-rho", "specinfer-without-residual"],
 )
 def test_wrong_rule_is_caught(setup: tuple, monkeypatch: pytest.MonkeyPatch, method, module, name, wrong) -> None:  # noqa: ANN001
-    pair, ids, law = setup
+    pair, ids, exact = setup
     monkeypatch.setattr(module, name, wrong)
-    assert gof_pvalue(sampled_first_two(pair, ids, BASE.with_(method=method)), law) < ALPHA
+    assert gof_pvalue(sampled_first_two(pair, ids, BASE.with_(method=method)), exact) < ALPHA

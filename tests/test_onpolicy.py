@@ -45,7 +45,7 @@ def hand_warp(logits: list[float], k: int = 20, top_p: float = 0.9) -> list[floa
     return [math.exp(x) / zk if i in kept else 0.0 for i, x in enumerate(logits)]
 
 
-def test_the_warped_law_is_the_one_the_decoders_sample_from() -> None:
+def test_the_warped_distribution_is_the_one_the_decoders_sample_from() -> None:
     logits = torch.linspace(3.0, -3.0, 30) + 0.01 * torch.arange(30).sin()
     got = onpolicy.warped_probs(logits[None])[0]
     want = torch.tensor(hand_warp(logits.tolist()))
@@ -147,7 +147,7 @@ def test_the_data_stage_samples_replies_and_labels_every_reply_position(tiny_cha
         for j in range(len(reply)):
             want = onpolicy.warped_probs(full_logits(target, s["ids"][: s["start"] + 1 + j].tolist())[None])[0]
             torch.testing.assert_close(s["pw"][j].float(), want[s["idx"][j].long()], rtol=0, atol=1e-3)
-        assert s["pw"].float().sum(-1).sub(1).abs().max() < 2e-3  # the warped law lies in the top 32
+        assert s["pw"].float().sum(-1).sub(1).abs().max() < 2e-3  # the warped distribution lies in the top 32
 
 
 def test_the_target_writes_user_turns_it_ended_none_excluded_and_none_twice(tiny_chat_turns) -> None:

@@ -5,15 +5,14 @@ import torch
 from scipy.stats import chisquare
 
 from mtad.sampling import (
-    RowLaws,
-    draw_token,
-    law_and_draw,
+    RowDistributions,
     log_probs,
     make_generator,
-    pick,
-    pick_at,
     probs,
     sample,
+    sample_logits,
+    sample_logp,
+    sample_token,
     top_log_probs,
     warp,
     warper,
@@ -79,9 +78,9 @@ def test_warp_equals_transformers_on_bf16_ties(top_k: int, top_p: float) -> None
 
 
 @pytest.mark.parametrize(("top_k", "top_p"), [(20, 1.0), (20, 0.87), (5, 0.53)])
-def test_many_left_out_ties_count_in_the_law(top_k: int, top_p: float) -> None:
+def test_many_left_out_ties_count_in_the_distribution(top_k: int, top_p: float) -> None:
     """Dozens of tokens tie at the k-th logit, more than top-k's one ``topk`` call looks past its list: the
-    law's kept mass counts them all, as transformers' warpers do (a coarse grid of logits; top-p off the
+    distribution's kept mass counts them all, as transformers' warpers do (a coarse grid of logits; top-p off the
     multiples of 1/60 where a cut would fall exactly on a boundary and rounding decides)."""
     logits = torch.randint(0, 6, (8, 300), generator=torch.Generator().manual_seed(3)).float() / 2
     kth = logits.topk(top_k, dim=-1).values[:, -1:]
@@ -107,25 +106,25 @@ def test_greedy_is_plain_softmax_and_argmax() -> None:
     logits = torch.randn(4, 50)
     s = Settings(greedy=True)
     torch.testing.assert_close(log_probs(logits, s), torch.log_softmax(logits, -1))
-    assert torch.equal(pick(log_probs(logits, s), s, None), logits.argmax(-1))
+    assert torch.equal(sample_logp(log_probs(logits, s), s), logits.argmax(-1))
     # one row of logits, as the decoders pass it: one token
-    assert int(pick(log_probs(logits[1], s), s, None)) == int(logits[1].argmax())
+    assert int(sample_logp(log_probs(logits[1], s), s)) == int(logits[1].argmax())
 
 
 def test_sampling_respects_the_warp_and_the_seed() -> None:
     s = Settings(top_k=3, top_p=1.0)
     logits = torch.randn(1, 40).repeat(500, 1)
     lp = log_probs(logits, s)
-    draws = pick(lp, s, make_generator("cpu", 7))
+    draws = sample_logp(lp, s, generator=make_generator("cpu", 7))
     assert set(draws.tolist()) <= set(logits[0].topk(3).indices.tolist())
-    assert torch.equal(draws, pick(lp, s, make_generator("cpu", 7)))
+    assert torch.equal(draws, sample_logp(lp, s, generator=make_generator("cpu", 7)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_sample_draws_the_weights_law_and_never_a_zero(dtype: torch.dtype) -> None:
+def test_sample_draws_the_weights_distribution_and_never_a_zero(dtype: torch.dtype) -> None:
     """Inverse-CDF sampling: frequencies match the (unnormalised) weights, zero weights never drawn."""
     w = torch.tensor([0.0, 2.0, 0.0, 5.0, 3.0, 0.0, 0.0, 1e-3], dtype=dtype)
-    draws = sample(w.repeat(40_000, 1), make_generator("cpu", 11))
+    draws = sample(w.repeat(40_000, 1), generator=make_generator("cpu", 11))
     assert draws.shape == (40_000,)
     counts = torch.bincount(draws, minlength=w.numel())
     assert counts[w == 0].sum() == 0
@@ -136,10 +135,10 @@ def test_sample_draws_the_weights_law_and_never_a_zero(dtype: torch.dtype) -> No
 
 def test_sample_keeps_batch_shape_and_seed() -> None:
     w = torch.rand(3, 4, 50)
-    a = sample(w, make_generator("cpu", 5))
+    a = sample(w, generator=make_generator("cpu", 5))
     assert a.shape == (3, 4)
-    assert torch.equal(a, sample(w, make_generator("cpu", 5)))
-    assert not torch.equal(a, sample(w, make_generator("cpu", 6)))
+    assert torch.equal(a, sample(w, generator=make_generator("cpu", 5)))
+    assert not torch.equal(a, sample(w, generator=make_generator("cpu", 6)))
 
 
 def test_probs_equals_exp_of_normalised_log_probs() -> None:
@@ -153,8 +152,10 @@ def test_probs_equals_exp_of_normalised_log_probs() -> None:
     ("temperature", "top_k", "top_p", "n"),
     [(1.0, 20, 0.9, 8), (0.7, 5, 0.5, 5), (1.3, 50, 0.99, 8), (1.0, 3, 1.0, 3), (2.0, 1, 0.3, 1), (1.0, 20, 0.2, 20)],
 )
-def test_top_log_probs_are_the_warped_law_s_first_tokens(temperature: float, top_k: int, top_p: float, n: int) -> None:
-    """A beam step's shortcut: each row's first n tokens under the warped law, with their log p under it, equal
+def test_top_log_probs_are_the_warped_distribution_s_first_tokens(
+    temperature: float, top_k: int, top_p: float, n: int
+) -> None:
+    """A beam step's shortcut: each row's first n tokens under the warped distribution, with their log p under it, equal
     log_probs' own (values to rounding, -inf where dropped, the same kept count), on flat and peaked rows and
     on bf16 logits whose k-th value ties with tokens top-k's list left out."""
     s = Settings(temperature=temperature, top_k=top_k, top_p=top_p)
@@ -169,7 +170,7 @@ def test_top_log_probs_are_the_warped_law_s_first_tokens(temperature: float, top
             values, cols = top_log_probs(logits, s, n)
             assert values.shape == cols.shape == (64, n)
             torch.testing.assert_close(values, full.gather(-1, cols), rtol=1e-5, atol=1e-5)
-            first = full.topk(n, dim=-1).values  # the law's own first n, in order
+            first = full.topk(n, dim=-1).values  # the distribution's own first n, in order
             torch.testing.assert_close(values, first, rtol=1e-5, atol=1e-5)
             top = logits.float().topk(top_k + 1, dim=-1).values
             ties += int((top[:, top_k - 1] == top[:, top_k]).sum()) if top_k < 300 else 0
@@ -220,10 +221,10 @@ def test_top_log_probs_leave_what_they_cannot_do_to_log_probs() -> None:
     ("temperature", "top_k", "top_p", "greedy"),
     [(1.0, 20, 0.9, False), (0.7, 5, 0.5, False), (1.0, 20, 1.0, False), (1.0, 0, 0.9, False), (1.0, 20, 0.9, True)],
 )
-def test_row_laws_read_the_same_law_as_log_probs_bit_for_bit(
+def test_row_distributions_read_the_same_distribution_as_log_probs_bit_for_bit(
     temperature: float, top_k: int, top_p: float, greedy: bool
 ) -> None:
-    """A rule's reads of the law (one token's log p per row, one whole row) equal log_probs' whole rows
+    """A rule's reads of the distribution (one token's log p per row, one whole row) equal log_probs' whole rows
     exactly, for every token of every row: listed ones, dropped ones and the ties of the k-th logit that
     top-k's list left out, whether top-p keeps them or cuts among them (bf16 logits and a coarse grid make
     those ties common)."""
@@ -236,12 +237,12 @@ def test_row_laws_read_the_same_law_as_log_probs_bit_for_bit(
         torch.randn(6, 300, generator=g) * 0.5,
     ):
         full = log_probs(logits, s)
-        laws = RowLaws(logits, s)
+        distributions = RowDistributions(logits, s)
         for i in range(logits.shape[0]):
-            assert torch.equal(laws.row(torch.tensor([i])), full[i])
+            assert torch.equal(distributions.row(torch.tensor([i])), full[i])
         for col in range(logits.shape[-1]):  # every token, each row judging its own
             tokens = torch.full((logits.shape[0],), col)
-            assert torch.equal(laws.of(tokens), full[:, col])
+            assert torch.equal(distributions.of(tokens), full[:, col])
         if top_k and not greedy:
             kth = logits.float().div(temperature).topk(top_k, dim=-1).values[:, -1:]
             ties = logits.float().div(temperature) == kth
@@ -253,20 +254,20 @@ def test_row_laws_read_the_same_law_as_log_probs_bit_for_bit(
             assert cut_ties > 0  # top-p cut among the k-th logit's ties: the rank by token id was exercised
 
 
-def test_row_laws_judge_a_shorter_draft_by_its_own_rows() -> None:
+def test_row_distributions_judge_a_shorter_draft_by_its_own_rows() -> None:
     """g drafted tokens over g + 1 rows: token i under row i, the last row only drawn from."""
     logits = torch.randn(5, 40, generator=torch.Generator().manual_seed(1)) * 2
     s = Settings(top_k=8, top_p=0.8)
     draft = torch.tensor([3, 7, 1, 30])
     full = log_probs(logits, s)
-    assert torch.equal(RowLaws(logits, s).of(draft), full[:4].gather(1, draft[:, None])[:, 0])
+    assert torch.equal(RowDistributions(logits, s).of(draft), full[:4].gather(1, draft[:, None])[:, 0])
 
 
 @pytest.mark.parametrize(("top_k", "top_p"), [(20, 0.9), (20, 1.0), (5, 0.5)])
 def test_the_cpu_shortcut_and_the_general_path_give_the_same_bits(
     top_k: int, top_p: float, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """On the CPU a law whose rows keep no left-out tie is written from its top-k list (a host read decides);
+    """On the CPU a distribution whose rows keep no left-out tie is written from its top-k list (a host read decides);
     a GPU always takes the general path. Both give the same bits, rows with and without kept ties alike."""
     s = Settings(top_k=top_k, top_p=top_p)
     g = torch.Generator().manual_seed(9)
@@ -275,11 +276,11 @@ def test_the_cpu_shortcut_and_the_general_path_give_the_same_bits(
     shortcut_taken = 0
     for logits in cases:
         tokens = torch.arange(logits.shape[0]) * 7
-        fast = log_probs(logits, s), warp(logits, s), RowLaws(logits, s)
-        shortcut_taken += int(not RowLaws(logits, s).top.kept_ties.any())
+        fast = log_probs(logits, s), warp(logits, s), RowDistributions(logits, s)
+        shortcut_taken += int(not RowDistributions(logits, s).top.kept_ties.any())
         with monkeypatch.context() as m:
             m.setattr("mtad.sampling._none_on_cpu", lambda t: False)
-            general = log_probs(logits, s), warp(logits, s), RowLaws(logits, s)
+            general = log_probs(logits, s), warp(logits, s), RowDistributions(logits, s)
             general_rows = [general[2].row(torch.tensor([i])) for i in range(logits.shape[0])]
             general_of = general[2].of(tokens)
         assert torch.equal(fast[0], general[0]) and torch.equal(fast[1], general[1])
@@ -293,7 +294,7 @@ def test_the_cpu_shortcut_and_the_general_path_give_the_same_bits(
 def test_draws_from_the_top_list_are_the_whole_rows_draws(
     top_k: int, top_p: float, temperature: float, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """On the CPU a law that lives on its top-k list is drawn from the list, in token order: the same token
+    """On the CPU a distribution that lives on its top-k list is drawn from the list, in token order: the same token
     as the draw over the whole row at every uniform (a GPU's path), for rows with bf16 ties and without."""
     s = Settings(top_k=top_k, top_p=top_p, temperature=temperature)
     g = torch.Generator().manual_seed(11)
@@ -301,33 +302,33 @@ def test_draws_from_the_top_list_are_the_whole_rows_draws(
     for dtype in (torch.float32, torch.bfloat16):
         logits = (torch.randn(64, 3000, generator=g) * 3).to(dtype).float()
         u = torch.rand(64, 1, generator=g)
-        fast = law_and_draw(logits, s, u), draw_token(logits, s, u), RowLaws(logits, s)
-        fast_picks = [fast[2].pick(torch.tensor([i]), s, u[i]) for i in range(64)]
+        fast = sample_logits(logits, s, u), sample_token(logits, s, u), RowDistributions(logits, s)
+        fast_picks = [fast[2].sample(torch.tensor([i]), s, u[i]) for i in range(64)]
         listed_rows += sum(fast[2].probs_at(torch.tensor([i]))[1] is not None for i in range(64))
         with monkeypatch.context() as m:
             m.setattr("mtad.sampling._none_on_cpu", lambda t: False)
             lp = log_probs(logits, s)
-            want = pick_at(lp, s, u)
-            laws = RowLaws(logits, s)
-            assert all(laws.probs_at(torch.tensor([i]))[1] is None for i in range(3))
-            general_picks = [laws.pick(torch.tensor([i]), s, u[i]) for i in range(64)]
+            want = sample_logp(lp, s, u)
+            distributions = RowDistributions(logits, s)
+            assert all(distributions.probs_at(torch.tensor([i]))[1] is None for i in range(3))
+            general_picks = [distributions.sample(torch.tensor([i]), s, u[i]) for i in range(64)]
         assert torch.isfinite(lp.gather(1, want[:, None])).all()
-        law = fast[0][0]  # on the lists where the law lives on them
-        if isinstance(law, tuple):
-            law = torch.full_like(lp, float("-inf")).scatter_(-1, law[1], law[0])
-        assert torch.equal(law, lp) and torch.equal(fast[0][1], want) and torch.equal(fast[1], want)
+        dist = fast[0][0]  # on the lists where the distribution lives on them
+        if isinstance(dist, tuple):
+            dist = torch.full_like(lp, float("-inf")).scatter_(-1, dist[1], dist[0])
+        assert torch.equal(dist, lp) and torch.equal(fast[0][1], want) and torch.equal(fast[1], want)
         assert torch.equal(torch.stack(fast_picks), torch.stack(general_picks))
         assert torch.equal(torch.stack(fast_picks), want)
     assert listed_rows > 0
 
 
-def test_listed_draws_draw_the_law() -> None:
-    """Draws from the top list follow the warped law (chi-square over many draws of one row)."""
+def test_listed_draws_draw_the_distribution() -> None:
+    """Draws from the top list follow the warped distribution (chi-square over many draws of one row)."""
     s = Settings(top_k=5, top_p=0.8)
     logits = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -1.0, 3.0, -2.0]])
     p = log_probs(logits, s).exp()[0]
     u = torch.rand(20000, 1, generator=torch.Generator().manual_seed(2))
-    drawn = draw_token(logits.expand(20000, -1), s, u)
+    drawn = sample_token(logits.expand(20000, -1), s, u)
     counts = torch.bincount(drawn, minlength=8).double()
     kept = p > 0
     assert counts[~kept].sum() == 0

@@ -1,7 +1,7 @@
 """Speculative sampling keeps the target's distribution: a goodness-of-fit test that can fail.
 
-On a 10-token vocabulary, the empirical joint law of the first two new tokens over many seeds
-is compared with the exact law computed from the target (chi-square, false-alarm rate 0.1%).
+On a 10-token vocabulary, the empirical joint distribution of the first two new tokens over many seeds
+is compared with the exact distribution computed from the target (chi-square, false-alarm rate 0.1%).
 With gamma = 2 the two tokens cover acceptance and the residual resample; with gamma = 1 the
 second token is the bonus whenever the first is accepted, so the first gamma + 1 tokens cover
 acceptance, resample and bonus. Deliberately wrong SDs (resample from p, not the residual;
@@ -34,15 +34,15 @@ def exact_first_two(pair: ModelPair, ids: list[int], s: Settings) -> dict[tuple[
     An EOS first token ends the run: that outcome is the 1-tuple (eos,)."""
     with torch.inference_mode():
         p1 = log_probs(pair.target(input_ids=torch.tensor([ids])).logits[0, -1], s).exp()
-        law = {}
+        exact = {}
         for x1 in torch.nonzero(p1).flatten().tolist():
             if x1 in pair.eos_ids:
-                law[(x1,)] = float(p1[x1])
+                exact[(x1,)] = float(p1[x1])
                 continue
             p2 = log_probs(pair.target(input_ids=torch.tensor([ids + [x1]])).logits[0, -1], s).exp()
             for x2 in torch.nonzero(p2).flatten().tolist():
-                law[(x1, x2)] = float(p1[x1] * p2[x2])
-    return law
+                exact[(x1, x2)] = float(p1[x1] * p2[x2])
+    return exact
 
 
 def sampled_first_two(pair: ModelPair, ids: list[int], s: Settings) -> Counter:
@@ -65,13 +65,13 @@ def sampled(pair: ModelPair, ids: list[int], s: Settings) -> tuple[Counter, Coun
     return counts, kinds
 
 
-def gof_pvalue(counts: Counter, law: dict[tuple[int, int], float]) -> float:
-    """Chi-square p-value; cells expected below 5 are pooled into one; a draw outside the law fails."""
-    assert set(counts) <= set(law), f"drew pairs the target gives probability 0: {set(counts) - set(law)}"
+def gof_pvalue(counts: Counter, exact: dict[tuple[int, int], float]) -> float:
+    """Chi-square p-value; cells expected below 5 are pooled into one; a draw outside the distribution fails."""
+    assert set(counts) <= set(exact), f"drew pairs the target gives probability 0: {set(counts) - set(exact)}"
     total = sum(counts.values())
-    big = [k for k, v in law.items() if v * total >= 5]
+    big = [k for k, v in exact.items() if v * total >= 5]
     obs = [counts[k] for k in big]
-    exp = [law[k] * total for k in big]
+    exp = [exact[k] * total for k in big]
     rest_obs, rest_exp = total - sum(obs), total - sum(exp)
     if rest_exp > 0:
         obs.append(rest_obs)
@@ -87,29 +87,29 @@ def setup(micro_pair: ModelPair) -> tuple[ModelPair, list[int], dict]:
 
 
 def test_sd_matches_target_distribution(setup: tuple) -> None:
-    pair, ids, law = setup
-    assert len(law) >= 10, "too few outcomes for a meaningful test"
+    pair, ids, exact = setup
+    assert len(exact) >= 10, "too few outcomes for a meaningful test"
     # the draft must disagree with the target often, or the test would not exercise resampling
     first = [next(decode(pair, ids, SETTINGS.with_(seed=k))) for k in range(100)]
     assert sum(s.accepted < len(s.draft_ids) for s in first) >= 30
     counts = sampled_first_two(pair, ids, SETTINGS)
-    assert gof_pvalue(counts, law) > ALPHA
+    assert gof_pvalue(counts, exact) > ALPHA
 
 
 def test_hf_assisted_matches_target_distribution(setup: tuple) -> None:
-    """transformers' assisted generation, as the bench runs it, samples the same warped law: this holds
+    """transformers' assisted generation, as the bench runs it, samples the same warped distribution: this holds
     only if its generation configs carry our sampling (do_sample, temperature, top-k, top-p) and
     nothing else (no epsilon or eta cutoff, no typical-p)."""
-    pair, ids, law = setup
+    pair, ids, exact = setup
     counts = sampled_first_two(pair, ids, SETTINGS.with_(method="hf-assisted"))
-    assert gof_pvalue(counts, law) > ALPHA
+    assert gof_pvalue(counts, exact) > ALPHA
 
 
 def test_wrong_residual_is_caught(setup: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
-    pair, ids, law = setup
+    pair, ids, exact = setup
     monkeypatch.setattr(speculative, "residual", lambda p, q: p)
     counts = sampled_first_two(pair, ids, SETTINGS)
-    assert gof_pvalue(counts, law) < ALPHA
+    assert gof_pvalue(counts, exact) < ALPHA
 
 
 @pytest.fixture(scope="module")
@@ -119,28 +119,28 @@ def bonus_setup(micro_close_pair: ModelPair) -> tuple[ModelPair, list[int], dict
 
 
 def test_sd_bonus_and_resample_match_target_distribution(bonus_setup: tuple) -> None:
-    pair, ids, law = bonus_setup
-    assert len(law) >= 10, "too few outcomes for a meaningful test"
+    pair, ids, exact = bonus_setup
+    assert len(exact) >= 10, "too few outcomes for a meaningful test"
     counts, kinds = sampled(pair, ids, BONUS)
     # both rare paths must carry real weight in the sample, or the test would not judge them
     assert kinds["bonus"] >= RUNS // 2, kinds
     assert kinds["resample"] >= RUNS // 10, kinds
-    assert gof_pvalue(counts, law) > ALPHA
+    assert gof_pvalue(counts, exact) > ALPHA
 
 
 def test_bonus_from_the_wrong_position_is_caught(bonus_setup: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
     """Negative control: the bonus drawn from p[g-1] (the last draft's position) instead of p[g]."""
-    pair, ids, law = bonus_setup
-    rule = speculative.sd_judge.eager  # SD's rule as written (compiled only on a GPU)
+    pair, ids, exact = bonus_setup
+    rule = speculative.sd_rule.eager  # SD's rule as written (compiled only on a GPU)
     source = inspect.getsource(rule)
-    target_row = "laws.probs_at(row)"
-    assert source.count(target_row) == 1, "sd_judge no longer takes p at row n: update this control"
+    target_row = "p_rows.probs_at(row)"
+    assert source.count(target_row) == 1, "sd_rule no longer takes p at row n: update this control"
     scope = dict(vars(speculative))
-    wrong_row = "laws.probs_at(row - (n == g).long())"  # row g - 1 where the bonus is drawn
+    wrong_row = "p_rows.probs_at(row - (n == g).long())"  # row g - 1 where the bonus is drawn
     exec(compile(source.replace(target_row, wrong_row), speculative.__file__, "exec"), scope)
     # swap the code in place, so every reference to the rule (SD's iteration, so the registry too) runs the bug
-    monkeypatch.setattr(rule, "__code__", scope["sd_judge"].eager.__code__)
+    monkeypatch.setattr(rule, "__code__", scope["sd_rule"].eager.__code__)
     counts, kinds = sampled(pair, ids, BONUS)
     assert kinds["bonus"] >= RUNS // 2, kinds
     # caught either way: pairs the warped target gives probability 0, or a misfit
-    assert set(counts) - set(law) or gof_pvalue(counts, law) < ALPHA
+    assert set(counts) - set(exact) or gof_pvalue(counts, exact) < ALPHA

@@ -18,7 +18,7 @@ from torch.nn import functional as F
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from mtad.decoding import generate
-from mtad.decoding.draft_laws import DraftLaws
+from mtad.decoding.draft_distributions import DraftDistributions
 from mtad.models.pair import ModelPair, load
 from mtad.models.shortlist_draft import Int8Linear, ShortlistForCausalLM, int8_kernel_input
 from mtad.sampling import log_probs
@@ -107,12 +107,12 @@ def test_sd_with_a_shortlist_draft_matches_the_target_distribution(micro_shortli
     """Tokens the draft never proposes (q = 0) must still come out at the target's rate."""
     pair = micro_shortlist_pair
     ids = pair.encode("abcab")
-    law = exact_first_two(pair, ids, SD)
+    exact = exact_first_two(pair, ids, SD)
     off = {7, 8, 9}
-    assert sum(v for k, v in law.items() if k[0] in off) > 0.05, "the target must put mass off the shortlist"
+    assert sum(v for k, v in exact.items() if k[0] in off) > 0.05, "the target must put mass off the shortlist"
     counts = sampled_first_two(pair, ids, SD)
     assert sum(v for k, v in counts.items() if k[0] in off) >= RUNS // 40
-    assert gof_pvalue(counts, law) > ALPHA
+    assert gof_pvalue(counts, exact) > ALPHA
 
 
 @pytest.mark.parametrize("method", ["sd", "mtad", "spectr", "specinfer", "bild", "mtad-tree", "hf-assisted"])
@@ -312,17 +312,17 @@ def test_an_int8_layer_deep_copies_after_keeping_a_packed_product() -> None:
 
 
 @pytest.mark.parametrize("method", ["sd", "spectr", "specinfer"])
-def test_draft_laws_kept_as_lists_write_what_whole_rows_write(
+def test_draft_distributions_kept_as_lists_write_what_whole_rows_write(
     micro_shortlist_pair: ModelPair, method: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """On the CPU the draft's laws are kept as their top-k lists over the shortlist's columns (token ids
+    """On the CPU the draft's distributions are kept as their top-k lists over the shortlist's columns (token ids
     mapped from columns): the same texts and the same log q in every step as whole rows over the vocabulary
     (a GPU's path)."""
     pair = micro_shortlist_pair
     s = SD.with_(method=method, max_new_tokens=30, num_drafts=2, seed=3)
     kept = []
-    of_steps = DraftLaws.of_steps.__func__
-    monkeypatch.setattr(DraftLaws, "of_steps", classmethod(lambda *a: kept.append(of_steps(*a)) or kept[-1]))
+    of_steps = DraftDistributions.of_steps.__func__
+    monkeypatch.setattr(DraftDistributions, "of_steps", classmethod(lambda *a: kept.append(of_steps(*a)) or kept[-1]))
     runs = []
     for lists in (True, False):
         with monkeypatch.context() as m:
@@ -330,6 +330,6 @@ def test_draft_laws_kept_as_lists_write_what_whole_rows_write(
                 m.setattr("mtad.sampling._none_on_cpu", lambda t: False)
             run = generate(pair, "abcab", s, raw=True)
         runs.append((run.new_ids, [step.log_q for step in run.steps]))
-    listed = [laws.listed for laws in kept]
+    listed = [distributions.listed for distributions in kept]
     assert any(listed) and not all(listed)  # lists in the first run, whole rows in the second
     assert runs[0] == runs[1]

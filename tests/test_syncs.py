@@ -77,7 +77,7 @@ def test_the_counter_sees_every_kind_of_host_read(monkeypatch: pytest.MonkeyPatc
 
 
 def test_the_warps_read_the_host_only_on_the_cpu() -> None:
-    """The warps' own reads (which branch a law needs) happen on the CPU only: a tensor elsewhere (here
+    """The warps' own reads (which branch a distribution needs) happen on the CPU only: a tensor elsewhere (here
     on the meta device, which cannot be read at all) always takes the general path."""
     from mtad.sampling import _none_on_cpu
 

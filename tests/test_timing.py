@@ -8,8 +8,8 @@ import time
 import pytest
 
 from mtad.decoding import DECODERS, decode
-from mtad.decoding.autoregressive import ar_step
-from mtad.decoding.speculative import sd_step
+from mtad.decoding.iteration import TARGET
+from mtad.decoding.speculative import SD
 from mtad.decoding.state import DecodeState
 from mtad.settings import Settings
 
@@ -78,7 +78,7 @@ def test_phase_split_adds_up_to_the_iteration_wall_time(tiny_pair, method):
         assert forwards <= inside <= 1.3 * forwards + 0.001 * calls
 
 
-@pytest.mark.parametrize("step_fn", [ar_step, sd_step])
+@pytest.mark.parametrize("step_fn", [TARGET, SD])
 def test_set_up_is_billed_to_the_first_iteration_only(tiny_pair, step_fn):
     """A run's seconds cover all of its work: what happens between ``DecodeState.start`` and the first
     iteration (caches, generator) counts in the first step; later steps hold only their own work."""

@@ -15,10 +15,10 @@ from mtad.decoding import decode
 from mtad.metrics import summarize
 from mtad.prompts import Prompt, read_prompts
 from mtad.settings import Settings
-from mtad.tuning import AcceptanceTable, Candidate, candidates, fastest, law_of, predict
+from mtad.tuning import AcceptanceTable, Candidate, candidates, fastest, predict, warp_of
 from mtad.tuning.choose import Tuning
 from mtad.tuning.cli import main as tuning_main
-from mtad.tuning.table import GAMMAS, Row, measure, shipped_table
+from mtad.tuning.table import GAMMAS, Row, measure, shipped_table, table_path
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXTS = ["abc de fgh", "hag bed cab", "a bad fad"]
@@ -48,12 +48,12 @@ def test_prediction_is_block_efficiency_over_iteration_seconds_against_ar():
     assert predict(rows, {Candidate("sd", 4): 0.04}, 0.016)[0].candidate == Candidate("sd", 4)  # untimed: left out
 
 
-def test_the_law_is_what_a_block_efficiency_depends_on():
-    assert law_of(Settings(greedy=True)) == law_of(Settings(greedy=True, top_p=0.5))  # greedy needs no warp
-    assert law_of(Settings(temperature=0)) == law_of(Settings(greedy=True))
-    assert law_of(Settings()) != law_of(Settings(top_k=10))
-    assert law_of(Settings()) != law_of(Settings(tau=0.2))
-    assert law_of(Settings()) != law_of(Settings(draft_mode="beam-sample"))
+def test_the_warp_is_what_a_block_efficiency_depends_on():
+    assert warp_of(Settings(greedy=True)) == warp_of(Settings(greedy=True, top_p=0.5))  # greedy needs no warp
+    assert warp_of(Settings(temperature=0)) == warp_of(Settings(greedy=True))
+    assert warp_of(Settings()) != warp_of(Settings(top_k=10))
+    assert warp_of(Settings()) != warp_of(Settings(tau=0.2))
+    assert warp_of(Settings()) != warp_of(Settings(draft_mode="beam-sample"))
     assert len(candidates()) == len(GAMMAS) * 5  # SD per γ, MTAD per γ and four beam counts
 
 
@@ -61,8 +61,8 @@ def test_the_law_is_what_a_block_efficiency_depends_on():
 def tiny_table(tiny_pair) -> AcceptanceTable:
     prompts = [Prompt(f"p{i}", "", t) for i, t in enumerate(TEXTS)]
     encoded = [tiny_pair.encode(t, raw=True) for t in TEXTS]
-    laws = [Settings(max_new_tokens=12), Settings(max_new_tokens=12, tau=1.0, greedy=True)]
-    return measure(tiny_pair, prompts, encoded, laws, seeds=[0, 1], progress=False, prompts_name="tiny")
+    warps = [Settings(max_new_tokens=12), Settings(max_new_tokens=12, tau=1.0, greedy=True)]
+    return measure(tiny_pair, prompts, encoded, warps, seeds=[0, 1], progress=False, prompts_name="tiny")
 
 
 def test_a_table_holds_each_candidates_tokens_per_target_call(tiny_pair, tiny_table):
@@ -91,19 +91,19 @@ def test_a_table_holds_each_candidates_tokens_per_target_call(tiny_pair, tiny_ta
 def test_tables_of_two_seeds_pool_into_the_table_of_both(tiny_pair, tiny_table):
     prompts = [Prompt(f"p{i}", "", t) for i, t in enumerate(TEXTS)]
     encoded = [tiny_pair.encode(t, raw=True) for t in TEXTS]
-    laws = [Settings(max_new_tokens=12), Settings(max_new_tokens=12, tau=1.0, greedy=True)]
-    one, two = (measure(tiny_pair, prompts, encoded, laws, [s], progress=False, prompts_name="tiny") for s in (0, 1))
+    warps = [Settings(max_new_tokens=12), Settings(max_new_tokens=12, tau=1.0, greedy=True)]
+    one, two = (measure(tiny_pair, prompts, encoded, warps, [s], progress=False, prompts_name="tiny") for s in (0, 1))
     both = one.merged(two)
     assert both.seeds == [0, 1] and both.prompt_ids == ["p0", "p1", "p2"][: len(TEXTS)]
-    assert both.laws == tiny_table.laws  # the same counts, so the same block efficiencies, as one run of both
+    assert both.warps == tiny_table.warps  # the same counts, so the same block efficiencies, as one run of both
     with pytest.raises(ValueError, match=r"both tables hold seed\(s\) \[0\]"):
         one.merged(one)
-    fewer = measure(tiny_pair, prompts[:1], encoded[:1], laws, [1], progress=False, prompts_name="tiny")
+    fewer = measure(tiny_pair, prompts[:1], encoded[:1], warps, [1], progress=False, prompts_name="tiny")
     with pytest.raises(ValueError, match="different prompt_ids"):
         one.merged(fewer)
-    one_law = measure(tiny_pair, prompts, encoded, laws[:1], [1], progress=False, prompts_name="tiny")
+    one_warp = measure(tiny_pair, prompts, encoded, warps[:1], [1], progress=False, prompts_name="tiny")
     with pytest.raises(ValueError, match="no figures for greedy, τ 1"):
-        one.merged(one_law)
+        one.merged(one_warp)
 
 
 def test_tau_one_accepts_nothing_so_every_mtad_row_keeps_one_token_a_call(tiny_table):
@@ -128,7 +128,7 @@ def test_fastest_times_here_and_keeps_the_seconds_on_disk(tiny_pair, tiny_table,
     again = fastest(tiny_pair, Settings(), ids, table=tiny_table)
     assert again.from_disk and timed == [21] and again.predictions == first.predictions
     only_sd = fastest(tiny_pair, Settings(greedy=True, tau=1.0), ids, table=tiny_table, methods=("sd",))
-    assert timed == [21, 5]  # another law's runs are timed apart: AR and four SD rows
+    assert timed == [21, 5]  # another warp's runs are timed apart: AR and four SD rows
     assert {p.candidate.method for p in only_sd.predictions} == {"sd"}
     fastest(tiny_pair, Settings(), ids, table=tiny_table, refresh=True)
     assert timed == [21, 5, 21]
@@ -136,7 +136,7 @@ def test_fastest_times_here_and_keeps_the_seconds_on_disk(tiny_pair, tiny_table,
     assert len(files) == 1 and json.loads(files[0].read_text())["key"]["threads"] >= 1
 
 
-def test_a_law_the_table_lacks_is_refused_by_name(tiny_pair, tiny_table):
+def test_a_warp_the_table_lacks_is_refused_by_name(tiny_pair, tiny_table):
     with pytest.raises(ValueError, match=r"no figures for T 1, top-k 10, top-p 0.9, τ 0.1, beam; it has T 1"):
         fastest(tiny_pair, Settings(top_k=10), [1, 2], table=tiny_table)
     with pytest.raises(ValueError, match="no acceptance table for the pair 'custom'"):
@@ -193,7 +193,7 @@ def test_bench_and_generate_run_the_tuned_settings(tiny_dirs, tiny_table, tmp_pa
     assert "--tuned chooses the draft settings of sd and mtad, not of ar" in capsys.readouterr().err
 
 
-def test_the_cli_refuses_the_benchmarks_prompts_and_an_unknown_law(tmp_path, capsys):
+def test_the_cli_refuses_the_benchmarks_prompts_and_an_unknown_warp(tmp_path, capsys):
     code = tuning_main(["measure", "--pair", "embedded", "--prompts", str(ROOT / "assets/prompts/code.jsonl")])
     assert code == 2 and "are the benchmark's" in capsys.readouterr().err
 
@@ -201,8 +201,8 @@ def test_the_cli_refuses_the_benchmarks_prompts_and_an_unknown_law(tmp_path, cap
 def test_the_shipped_smollm2_table_covers_the_defaults_and_was_not_measured_on_the_benchmark():
     table = shipped_table("smollm2")
     assert table is not None
-    for law in (Settings(), Settings(greedy=True)):
-        rows = table.rows(law)
+    for warp in (Settings(), Settings(greedy=True)):
+        rows = table.rows(warp)
         assert rows is not None and [r.candidate for r in rows] == candidates()
         assert all(1 <= r.block_efficiency <= r.gamma + 1 and r.target_calls > 100 for r in rows)
     bench = {p.text for p in read_prompts(ROOT / "assets/prompts/chat.jsonl")}
@@ -222,11 +222,11 @@ def test_the_cli_measures_a_table_and_ranks_the_candidates_with_it(tiny_dirs, tm
     assert tuning_main(measure_argv) == 2  # a pair given by paths names no table: where to write it?
     assert "say where to write it with --out" in capsys.readouterr().err
     assert tuning_main([*measure_argv, "--greedy-too", "--out", str(table)]) == 0
-    laws = AcceptanceTable.load(table).laws
-    assert [e["law"]["greedy"] for e in laws] == [False, True] and len(laws[0]["rows"]) == len(candidates())
+    warps = AcceptanceTable.load(table).warps
+    assert [e["warp"]["greedy"] for e in warps] == [False, True] and len(warps[0]["rows"]) == len(candidates())
     assert tuning_main([*measure_argv, "--greedy-too", "--out", str(table), "--seeds", "1", "--extend"]) == 0
     pooled = AcceptanceTable.load(table)
-    assert pooled.seeds == [0, 1] and pooled.laws[0]["rows"][0]["new_tokens"] > laws[0]["rows"][0]["new_tokens"]
+    assert pooled.seeds == [0, 1] and pooled.warps[0]["rows"][0]["new_tokens"] > warps[0]["rows"][0]["new_tokens"]
     assert tuning_main([*measure_argv, "--greedy-too", "--out", str(table), "--seeds", "1", "--extend"]) == 2
     assert "already holds seed(s) [1]" in capsys.readouterr().err
     capsys.readouterr()
@@ -237,3 +237,13 @@ def test_the_cli_measures_a_table_and_ranks_the_candidates_with_it(tiny_dirs, tm
     assert "fastest mtad: mtad γ=" in out and "fastest sd: sd γ=" in out
     assert tuning_main(["show", *pair, "--acceptance", str(table), "--top-k", "5"]) == 2
     assert "has no figures for T 1, top-k 5" in capsys.readouterr().err
+
+
+def test_a_table_written_before_the_renaming_still_loads(tmp_path):
+    """Tables written before 0.2.0 named each sampling warp a "law"; they load with the same rows."""
+    shipped = json.loads(table_path("smollm2").read_text())
+    old = {("laws" if k == "warps" else k): v for k, v in shipped.items()}
+    old["laws"] = [{"law": e["warp"], "rows": e["rows"]} for e in shipped["warps"]]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    assert AcceptanceTable.load(path) == shipped_table("smollm2") and shipped_table("smollm2").warps

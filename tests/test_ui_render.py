@@ -601,5 +601,5 @@ def test_a_link_s_iteration_opens_after_the_run_and_is_then_spent():
 
 def test_the_legend_explains_the_hover_p_and_q_and_the_struck_through_drafts():
     legend = tokens.legend_html()
-    assert "“p 1 · q 1” means both were certain" in legend and "warped laws" in legend
+    assert "“p 1 · q 1” means both were certain" in legend and "warped distributions" in legend
     assert "struck through, to show what was tried" in legend and "reply only" in legend

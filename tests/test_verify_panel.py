@@ -616,9 +616,9 @@ def test_bild_fallback_row_says_whether_the_big_model_wrote_that_position():
     assert texts(rows[-1])[-1] == "fallback: the big model writes this position"
 
 
-def test_the_panel_says_p_and_q_are_the_warped_laws_and_why_a_prefix_is_minus_infinity():
+def test_the_panel_says_p_and_q_are_the_warped_distributions_and_why_a_prefix_is_minus_infinity():
     finite = verify.verify_html(lane_of("mtad", [mtad_step(0)]), 0, 0.1, 0.1, FakeTokenizer())
-    assert "warped laws" in finite and "−∞</b> here is log 0" not in finite
+    assert "warped distributions" in finite and "−∞</b> here is log 0" not in finite
     step = mtad_step(0, log_p=(-0.5, -math.inf, -math.inf, -math.inf))
     html = verify.verify_html(lane_of("mtad", [step]), 0, 0.1, 0.1, FakeTokenizer())
     assert "−∞</b> here is log 0: a drafted token lies outside the target's top-k / top-p" in html

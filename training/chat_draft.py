@@ -265,12 +265,12 @@ def batched_continuations(
 def generate_batch(model: Any, tok: Any, prompts: list[str], seed: int, max_new: int = 192) -> list[dict]:
     """The target's sampled replies with its raw next-token top-K at every reply position.
 
-    The app's sampling (T 1, top-k 20, top-p 0.9; :func:`mtad.sampling.log_probs` and ``pick``, as the
+    The app's sampling (T 1, top-k 20, top-p 0.9; :func:`mtad.sampling.log_probs` and ``sample_logp``, as the
     decoders draw, with warping tested equal to transformers' warpers) in :func:`batched_replies`'s loop,
     about twice the tokens a second of ``generate``, which sorts the whole vocabulary for top-p and keeps
     every step's logits.
     """
-    from mtad.sampling import log_probs, pick
+    from mtad.sampling import log_probs, sample_logp
     from mtad.settings import Settings
 
     warping = Settings(method="ar", temperature=1.0, top_k=20, top_p=0.9)
@@ -278,7 +278,7 @@ def generate_batch(model: Any, tok: Any, prompts: list[str], seed: int, max_new:
     def step(logits: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, list]:
         logits = logits.float()
         idx, lp = topk_targets(logits)
-        return pick(log_probs(logits, warping), warping, generator), list(zip(idx, lp, strict=True))
+        return sample_logp(log_probs(logits, warping), warping, generator=generator), list(zip(idx, lp, strict=True))
 
     prompt_ids, replies, tops = batched_replies(model, tok, prompts, seed, max_new, step)
     samples = []

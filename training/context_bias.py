@@ -1,6 +1,6 @@
 """Choose the draft's context n-gram bias weights (:mod:`mtad.decoding.context_bias`) by held-out acceptance.
 
-Teacher-forced, as the on-policy trainer scores a draft: the exact 1 - TV of the warped laws at every position
+Teacher-forced, as the on-policy trainer scores a draft: the exact 1 - TV of the warped distributions at every position
 of the target's own replies to held-out instructions the target writes (``<work>/heldout.pt``, made as the
 trainer makes it when missing), with the draft's logits plus the bias the engine would add there. The weights
 with the highest acceptance are chosen; ``--write`` puts them in the draft's ``config.json``

@@ -7,7 +7,7 @@ scores every depth of every draft chain exactly in one forward over ``depth`` co
 level-1 copy reads the target's features (a chain's first draft token, read after the verified context);
 the level-m copy reads none and each of its positions attends to the target-read positions up to its
 chain's start and to its own chain's earlier draft tokens only (HASS's "training-time test"). The loss is
-the forward KL to the target's law (and optionally the total variation of the warped laws, as
+the forward KL to the target's distribution (and optionally the total variation of the warped distributions, as
 ``training.onpolicy``); weights are chosen by held-out acceptance per depth, on ``training.onpolicy``'s
 held-out target replies (same instructions and seeds): at step 0 every depth scores the committed draft's
 0.4483 there. Those held-out instructions share the training ones' templates: a gain there did not

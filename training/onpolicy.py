@@ -2,9 +2,9 @@
 
 DistillSpec (Zhou et al., ICLR 2024) trains a draft on **its own samples**, labelled by the target,
 with a divergence that is the decoder's acceptance: speculative sampling accepts a draft token with
-probability sum_x min(p_w(x), q_w(x)) = 1 - TV(p_w, q_w), where p_w and q_w are the *warped* laws the
+probability sum_x min(p_w(x), q_w(x)) = 1 - TV(p_w, q_w), where p_w and q_w are the *warped* distributions the
 run samples from (T 1, top-k 20, top-p 0.9). The loss here is that total variation plus a weight of
-forward KL to the target's raw top-32 law: the KL is what greedy decoding needs (argmax agreement) and
+forward KL to the target's raw top-32 distribution: the KL is what greedy decoding needs (argmax agreement) and
 it keeps pushing mass onto tokens that the draft's own warping has cut off, where the TV term has no
 gradient.
 
@@ -103,17 +103,17 @@ def warping() -> Any:
 def warped_draw(logits: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, None]:
     """The next token of each row of a full-vocabulary model's ``logits``, drawn as the app draws (a
     ``step`` of :func:`training.chat_draft.batched_continuations`, keeping nothing per row)."""
-    from mtad.sampling import log_probs, pick
+    from mtad.sampling import log_probs, sample_logp
 
     settings = warping()
-    return pick(log_probs(logits.float(), settings), settings, generator), None
+    return sample_logp(log_probs(logits.float(), settings), settings, generator=generator), None
 
 
 # --------------------------------------------------------------------------- the loss
 
 
 def warped_probs(logits: torch.Tensor) -> torch.Tensor:
-    """p_w: probabilities of the warped law the decoders sample from, over the last dim
+    """p_w: probabilities of the warped distribution the decoders sample from, over the last dim
     (differentiable in the logits the warping keeps; the cut-off ones get probability 0)."""
     from mtad.sampling import warp
 
@@ -129,7 +129,7 @@ def acceptance(p_w: torch.Tensor, q_w: torch.Tensor) -> torch.Tensor:
 
 def label(logits: torch.Tensor) -> dict[str, torch.Tensor]:
     """What the loss needs of the target at each position, from its raw logits [n, V]: the top-32 ids,
-    their raw log-probabilities (forward KL) and their warped probabilities (TV; the warped law's
+    their raw log-probabilities (forward KL) and their warped probabilities (TV; the warped distribution's
     support, 20 tokens and ties, lies inside the top 32)."""
     lp = torch.log_softmax(logits.float(), dim=-1)
     vals, idx = lp.topk(min(TOPK, lp.shape[-1]), dim=-1)
@@ -140,7 +140,7 @@ def label(logits: torch.Tensor) -> dict[str, torch.Tensor]:
 def draft_terms(
     logits: torch.Tensor, row_of: torch.Tensor, idx: torch.Tensor, lp: torch.Tensor, pw: torch.Tensor
 ) -> dict[str, torch.Tensor]:
-    """Per-position acceptance, forward KL and cross-entropy from the target's raw top-32 law
+    """Per-position acceptance, forward KL and cross-entropy from the target's raw top-32 distribution
     (renormalised over the draft's shortlist) to the draft's, and top-1 agreement, from the draft's
     shortlist logits [n, K].
 
@@ -162,7 +162,7 @@ def draft_terms(
 
 
 def loss_of(terms: dict[str, torch.Tensor], kl_weight: float, tv_weight: float = 1.0) -> torch.Tensor:
-    """``tv_weight`` x the mean total variation of the warped laws (1 - acceptance) plus ``kl_weight`` x
+    """``tv_weight`` x the mean total variation of the warped distributions (1 - acceptance) plus ``kl_weight`` x
     the forward KL."""
     return tv_weight * (1 - terms["accept"]).mean() + kl_weight * terms["kl"].mean()
 
@@ -383,14 +383,14 @@ def sample_replies(
     """The draft's own replies, sampled as the app samples (its shortlist logits, warped), in the chat
     trainer's batched loop on the draft's device; each sample holds the chat-formatted ids (on the CPU)
     and where the reply starts. ``until``: see :func:`training.chat_draft.batched_replies`."""
-    from mtad.sampling import log_probs, pick
+    from mtad.sampling import log_probs, sample_logp
     from training.chat_draft import batched_replies
 
     settings = warping()
     columns = draft.columns
 
     def step(logits: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, None]:
-        return columns[pick(log_probs(logits, settings), settings, generator)], None
+        return columns[sample_logp(log_probs(logits, settings), settings, generator=generator)], None
 
     was_training = draft.training
     draft.eval()

@@ -7,11 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
-from mtad.decoding.iteration import Drafts, Iteration, Verdict, iid_draft, logprobs_of, verify_row
+from mtad.decoding.iteration import Decision, Drafts, Iteration, iid_draft, logprobs_of, verify_row
 from mtad.decoding.spec import MethodSpec
 from mtad.decoding.state import DecodeState, to_host
 from mtad.events import Step
-from mtad.sampling import pick
+from mtad.sampling import sample_logp
 from mtad.settings import PARAMS
 
 
@@ -44,10 +44,10 @@ def bild_draft(st: DecodeState, g: int) -> LittleDraft:
         return tops[-1] < log_tau1
 
     drafts = iid_draft(st, g, stop=unsure)
-    return LittleDraft(drafts.tokens, drafts.laws, drafts.calls, tops)
+    return LittleDraft(drafts.tokens, drafts.distributions, drafts.calls, tops)
 
 
-def bild_accept(st: DecodeState, drafts: LittleDraft, logits: torch.Tensor) -> Verdict:
+def bild_accept(st: DecodeState, drafts: LittleDraft, logits: torch.Tensor) -> Decision:
     """Keep the drafts before the first whose negative log-likelihood under the target (the distribution
     the run samples from) exceeds tau2; the target adds its own token at that position (after a rollback,
     or at a fallback, or as the bonus after gamma kept drafts)."""
@@ -58,29 +58,23 @@ def bild_accept(st: DecodeState, drafts: LittleDraft, logits: torch.Tensor) -> V
     lq_x = drafts.log_q[0].gather(1, draft[:, None])[:, 0]
     draft_ids, nll = to_host(draft, -lp_x) if n_draft else ([], [])
     n = bild_rollback(nll, st.settings.tau2)
-    extra = pick(log_p[n], st.settings, st.generator)
+    extra = sample_logp(log_p[n], st.settings, generator=st.generator)
     kept_lp = logprobs_of(logits, torch.cat([draft[:n], extra.view(1)]))
 
     def record(step: Step, values: list) -> None:
         """The little model's top probability at each position it checked, for the panel."""
         step.draft_top_q = [math.exp(t) for t in drafts.tops]
 
-    return Verdict(
+    return Decision(
         draft_ids, lp_x.cumsum(0), lq_x.cumsum(0), n, extra, kept_lp, draft_calls=drafts.calls, record=record
     )
 
 
 BILD = Iteration(propose=bild_draft, verify=verify_row, accept=bild_accept)
-"""The little model drafts until unsure, the big one vets the drafts in one forward and rolls back."""
-
-
-def bild_step(st: DecodeState) -> Step:
-    """One BiLD iteration (:data:`BILD`): the draft ("little") writes tokens from warp(q) until its top
-    probability for the next token falls below tau1 (fallback) or gamma tokens are out; the target ("big")
-    scores them in one forward, keeps those before the first whose NLL exceeds tau2, and adds its own token.
-
-    Not exact in distribution: a kept draft token is the draft's draw, merely vetted by the target."""
-    return BILD(st)
+"""One BiLD iteration: the draft ("little") writes tokens from warp(q) until its top probability for the next
+token falls below τ1 (fallback) or γ tokens are out; the target ("big") scores them in one forward, keeps
+those before the first whose NLL exceeds τ2, and adds its own token. Not exact in distribution: a kept draft
+token is the draft's draw, merely vetted by the target."""
 
 
 SPEC = MethodSpec(
@@ -89,7 +83,7 @@ SPEC = MethodSpec(
     short="BiLD",
     colour="#7c3aed",
     params=(PARAMS["gamma"].own(default=10), PARAMS["tau1"], PARAMS["tau2"]),  # γ 10: Table 13 of the MTAD paper
-    step=bild_step,
+    step=BILD,
     panel="rollback",
     rule="BiLD keeps draft tokens until the first whose negative log-likelihood under the target exceeds τ2, "
     "then the target writes that position (not exact: kept tokens are the draft's)",

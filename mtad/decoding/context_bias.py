@@ -3,7 +3,7 @@
 Replies often repeat spans of the prompt or of themselves (a name, a code identifier, a quoted phrase), and a
 small draft follows such copies poorly. So each of the draft's logits gets ``weights[n - 1]`` added for every
 order n whose last n tokens of the row also occur earlier in the row followed by that token (prompt lookup,
-Saxena 2023, folded into the draft's own law). The decoders sample from, and judge by, the biased law: it *is*
+Saxena 2023, folded into the draft's own distribution). The decoders sample from, and judge by, the biased distribution: it *is*
 the draft's q, so every rule stays exact; only how often the target agrees changes.
 
 :class:`TokenRows` keeps the token ids a cache holds, row by row, through the same operations as the cache
@@ -90,7 +90,7 @@ class TokenRows:
 
 
 def weights_of(model: torch.nn.Module, exact: bool = True) -> tuple[float, ...]:
-    """The bias weights for orders 1, 2, … a draft runs with in a decoder (``exact``: one whose output law is
+    """The bias weights for orders 1, 2, … a draft runs with in a decoder (``exact``: one whose output distribution is
     the target's whatever q is, such as SD). ``MTAD_CONTEXT_BIAS``, if set: ``off``, or weights for every
     drafting decoder; else the draft config's ``mtad_context_bias`` (chosen on held-out replies) for the exact
     decoders only, and none for the others. MTAD's and BiLD's texts follow q, and with the bias MTAD's looped

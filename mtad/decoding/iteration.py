@@ -3,10 +3,10 @@
 A method brings three parts (vLLM's proposer / scorer / sampler split):
 
 - ``propose(st, g)``: its drafter, up to ``g`` draft tokens on the device (:func:`iid_draft`,
-  :func:`mtad.decoding.beams.beam_draft`, or its own);
+  :func:`mtad.decoding.mtad.beam_draft`, or its own);
 - ``verify(st, proposal)``: its verifier, the target's forward over the proposal (:func:`verify_row`,
   :func:`mtad.decoding.multidraft.verified`, or its own);
-- ``accept(st, proposal, scored)``: its rule, a :class:`Verdict` of what is kept, still on the device.
+- ``accept(st, proposal, scored)``: its rule, a :class:`Decision` of what is kept, still on the device.
 
 :class:`Iteration` owns the rest, so that no decoder repeats it: the draft-length guard and the fall back to
 the target's own token when there is no room to draft (:data:`TARGET`, which is AR), the wall clock, the
@@ -22,12 +22,12 @@ from typing import Generic, TypeVar
 
 import torch
 
-from mtad.decoding.draft_laws import DraftLaws
+from mtad.decoding.draft_distributions import DraftDistributions
 from mtad.decoding.fused import fused
 from mtad.decoding.state import DecodeState, to_host
 from mtad.events import Step
 from mtad.models.pair import ModelPair
-from mtad.sampling import Law, Listed, draw_token, law_and_draw, pick
+from mtad.sampling import ListedDistribution, Warp, sample_logits, sample_logp, sample_token
 from mtad.settings import Settings
 
 P = TypeVar("P")  # a drafter's proposal
@@ -39,13 +39,14 @@ rule already holds (Spectr's and SpecInfer's walk, BiLD's rollback), passed thro
 
 
 @dataclass
-class Verdict:
+class Decision:
     """What a rule keeps of a proposal: the judged draft, how many of its tokens are kept, and the target's
     token after them, with what the ``Step`` records of them.
 
     ``draft``: the judged draft's token ids [g] (the followed candidate's, for several); None: nothing
-    drafted. ``joint_p``/``joint_q``: per-prefix joint log p and log q of it, under the laws the rule
-    compared [g]. ``accepted``: how many drafts are kept (0-d). ``extra``: the target's token after them
+    drafted. ``joint_p``/``joint_q``: per-prefix joint log p and log q of it, under the distributions the rule
+    compared [g]. ``accepted``: how many drafts are kept (0-d). ``target_token``: the target's token after them (the bonus token when every draft passed, the recovered
+    token when one was rejected, MTAD's draw at η + 1)
     (0-d). ``kept_logprobs``: the target's unwarped log p of the kept tokens, then anything (only the
     first accepted + 1 are kept). ``uniforms``: SD's draws, for the panel. ``more``: the method's own
     tensors (beams, walk trials), read in the same host read; ``record(step, values)`` then gets their
@@ -57,7 +58,7 @@ class Verdict:
     joint_p: Value
     joint_q: Value
     accepted: Value
-    extra: Value
+    target_token: Value
     kept_logprobs: Value
     draft_calls: int = 0
     uniforms: Value = None
@@ -69,30 +70,30 @@ class Verdict:
 class Iteration(Generic[P, S]):
     """A method's drafter, verifier and rule; calling it on a ``DecodeState`` runs one iteration.
 
-    ``room``: how many tokens it may draft now (default ``DecodeState.draft_length``: gamma, less where the
+    ``draft_budget``: how many tokens it may draft now (default ``DecodeState.draft_length``: gamma, less where the
     budget ends); at 0 or less the iteration is the target's own token (:data:`TARGET`)."""
 
     propose: Callable[[DecodeState, int], P]
     verify: Callable[[DecodeState, P], S]
-    accept: Callable[[DecodeState, P, S], Verdict]
-    room: Callable[[DecodeState], int] = DecodeState.draft_length
+    accept: Callable[[DecodeState, P, S], Decision]
+    draft_budget: Callable[[DecodeState], int] = DecodeState.draft_length
 
     def __call__(self, st: DecodeState) -> Step:
-        """Guard, propose, verify, accept, then :func:`conclude`: one ``Step``."""
-        g = self.room(st)
+        """Guard, propose, verify, accept, then :func:`commit_decision`: one ``Step``."""
+        g = self.draft_budget(st)
         if g <= 0:
             return TARGET(st)
         t0 = st.begin()
         proposal = self.propose(st, g)
-        return conclude(st, t0, self.accept(st, proposal, self.verify(st, proposal)))
+        return commit_decision(st, t0, self.accept(st, proposal, self.verify(st, proposal)))
 
 
-def conclude(st: DecodeState, t0: float, verdict: Verdict) -> Step:
+def commit_decision(st: DecodeState, t0: float, verdict: Decision) -> Step:
     """Read the verdict in ONE host read, build its ``Step`` (kept drafts, then the target's token) and
     commit it with ``st.finish``: what every iteration ends with, MTJD's aside."""
     v = verdict
     draft, jp, jq, n, extra, kept_lps, us, *more = read(
-        v.draft, v.joint_p, v.joint_q, v.accepted, v.extra, v.kept_logprobs, v.uniforms, *v.more
+        v.draft, v.joint_p, v.joint_q, v.accepted, v.target_token, v.kept_logprobs, v.uniforms, *v.more
     )
     draft = draft or []
     step = Step(
@@ -136,17 +137,17 @@ def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Drafts:
-    """m draft sequences [m, g], the draft's laws they were drawn from (:class:`DraftLaws`), and the draft
+    """m draft sequences [m, g], the draft's distributions they were drawn from (:class:`DraftDistributions`), and the draft
     forwards they took."""
 
     tokens: torch.Tensor
-    laws: DraftLaws
+    distributions: DraftDistributions
     calls: int
 
     @functools.cached_property
     def log_q(self) -> torch.Tensor:
-        """The laws over the whole vocabulary [m, g, V], written once where a rule reads them whole."""
-        return self.laws.full()
+        """The distributions over the whole vocabulary [m, g, V], written once where a rule reads them whole."""
+        return self.distributions.full()
 
 
 def iid_draft(st: DecodeState, g: int, m: int = 1, stop: Callable[[torch.Tensor], bool] | None = None) -> Drafts:
@@ -159,27 +160,31 @@ def iid_draft(st: DecodeState, g: int, m: int = 1, stop: Callable[[torch.Tensor]
     pending = st.pending(st.draft)
     st.draft.cache.fan_out(m)
     tokens = pending.expand(m, -1)
-    drafted, laws = [], []
-    law = st.law
+    drafted, distributions = [], []
+    warp = st.warp
     for _ in range(g):
-        if stop is None:  # the law over the draft's columns (or its top-k lists), and a column drawn from each row
-            lq, col = draw(st.run_draft(tokens), law, st.uniforms((m,)), fuse=st.fused)
+        if (
+            stop is None
+        ):  # the distribution over the draft's columns (or its top-k lists), and a column drawn from each row
+            lq, col = sample_rows(st.run_draft(tokens), warp, st.uniforms((m,)), fuse=st.fused)
         else:  # the check looks before anything is drawn
             lq = st.draft_logq(tokens)
             if stop(lq):
                 break
-            col = pick(lq, st.settings, st.generator)
+            col = sample_logp(lq, st.settings, generator=st.generator)
         tok = st.draft_tokens(col)
         drafted.append(tok)
-        laws.append(lq)
+        distributions.append(lq)
         tokens = tok[:, None]
     calls = len(drafted) + (len(drafted) < g)
     vocab = st.draft.vocab
     if not drafted:
         empty = torch.empty(m, 0, vocab, device=st.device)
-        return Drafts(tokens=pending.new_empty(m, 0), laws=DraftLaws(empty, None, None, vocab), calls=calls)
-    laws = DraftLaws.of_steps(laws, vocab, st.draft_full, st.draft_tokens)
-    return Drafts(tokens=torch.stack(drafted, dim=1), laws=laws, calls=calls)
+        return Drafts(
+            tokens=pending.new_empty(m, 0), distributions=DraftDistributions(empty, None, None, vocab), calls=calls
+        )
+    distributions = DraftDistributions.of_steps(distributions, vocab, st.draft_full, st.draft_tokens)
+    return Drafts(tokens=torch.stack(drafted, dim=1), distributions=distributions, calls=calls)
 
 
 def verify_row(st: DecodeState, drafts: Drafts) -> torch.Tensor:
@@ -197,32 +202,34 @@ def verify_context(st: DecodeState, proposal: None) -> torch.Tensor:
     return st.run_target(None)[0]
 
 
-def target_token(st: DecodeState, proposal: None, logits: torch.Tensor) -> Verdict:
-    """The target's own token: argmax or a draw from its warped law, its unwarped log p for perplexity."""
-    tok = draw_one(logits, st.law, st.uniforms(), fuse=st.fused)
+def target_token(st: DecodeState, proposal: None, logits: torch.Tensor) -> Decision:
+    """The target's own token: argmax or a draw from its warped distribution, its unwarped log p for perplexity."""
+    tok = sample_one(logits, st.warp, st.uniforms(), fuse=st.fused)
     lp = torch.log_softmax(logits, dim=-1).gather(0, tok.view(1))  # no host read of ``tok``
-    return Verdict(draft=None, joint_p=None, joint_q=None, accepted=0, extra=tok, kept_logprobs=lp)
+    return Decision(draft=None, joint_p=None, joint_q=None, accepted=0, target_token=tok, kept_logprobs=lp)
 
 
 @fused
-def draw(logits: torch.Tensor, law: Law, u: torch.Tensor | None) -> tuple[torch.Tensor | Listed, torch.Tensor]:
-    """The run's law over ``logits`` [..., C] and one column a row drawn from it at uniforms ``u`` [..., 1]
-    (:func:`~mtad.sampling.uniforms`; None when greedy: argmax). The law as :func:`law_and_draw` keeps it:
+def sample_rows(
+    logits: torch.Tensor, warp: Warp, u: torch.Tensor | None
+) -> tuple[torch.Tensor | ListedDistribution, torch.Tensor]:
+    """The run's distribution over ``logits`` [..., C] and one column a row drawn from it at uniforms ``u`` [..., 1]
+    (:func:`~mtad.sampling.uniforms`; None when greedy: argmax). The distribution as :func:`sample_logits` keeps it:
     log q [..., C], or on the CPU, where it lives on the top-k lists, those lists (log q, columns [rows, k]).
     Compiled into a few kernels on a GPU (:mod:`mtad.decoding.fused`), where it is always whole rows."""
     flat = logits.reshape(-1, logits.shape[-1])
-    lp, col = law_and_draw(flat, law, None if u is None else u.reshape(-1, 1))
+    lp, col = sample_logits(flat, warp, None if u is None else u.reshape(-1, 1))
     return (lp if isinstance(lp, tuple) else lp.view(logits.shape)), col.view(logits.shape[:-1])
 
 
 @fused
-def draw_one(logits: torch.Tensor, law: Law, u: torch.Tensor | None) -> torch.Tensor:
-    """One token of [V] ``logits`` drawn from the run's law at uniform ``u`` [1] (None when greedy: argmax),
-    0-d: the target's own token, which needs no law over the whole row. Compiled on a GPU, as :func:`draw`."""
-    return draw_token(logits.view(1, -1), law, None if u is None else u.view(1, 1))[0]
+def sample_one(logits: torch.Tensor, warp: Warp, u: torch.Tensor | None) -> torch.Tensor:
+    """One token of [V] ``logits`` drawn from the run's distribution at uniform ``u`` [1] (None when greedy: argmax),
+    0-d: the target's own token, which needs no distribution over the whole row. Compiled on a GPU, as :func:`sample_rows`."""
+    return sample_token(logits.view(1, -1), warp, None if u is None else u.view(1, 1))[0]
 
 
-TARGET = Iteration(propose_nothing, verify_context, target_token, room=lambda st: 1)
+TARGET = Iteration(propose_nothing, verify_context, target_token, draft_budget=lambda st: 1)
 """One token from the target alone: AR, and every method's last iterations where there is no room to draft."""
 
 

@@ -6,15 +6,14 @@ import math
 
 import torch
 
-from mtad.decoding.beams import Beams, beam_draft
-from mtad.decoding.iteration import Iteration, Verdict
-from mtad.decoding.mtad import record_beams
+from mtad.decoding.iteration import Decision, Iteration
+from mtad.decoding.mtad import Beams, beam_draft, record_beams
 from mtad.decoding.multidraft import Verified, kept_lengths, layout, tree_verified, verified
 from mtad.decoding.rules import mtad_accept_length_t
 from mtad.decoding.spec import MethodSpec
 from mtad.decoding.state import DecodeState, kept_logprobs, to_host
 from mtad.events import Step
-from mtad.sampling import pick
+from mtad.sampling import sample_logp
 from mtad.settings import PARAMS
 
 
@@ -33,7 +32,7 @@ def verify_beams(st: DecodeState, beams: Beams) -> Verified:
     return verified(st, beams.tokens, "rows")
 
 
-def mtad_tree_accept(st: DecodeState, beams: Beams, checked: Verified) -> Verdict:
+def mtad_tree_accept(st: DecodeState, beams: Beams, checked: Verified) -> Decision:
     """MTAD's rule on every beam: keep the beam with the longest passing prefix (ties: the draft's best
     beam, then the lowest index; padding never), then the target's token after it."""
     width, g = beams.tokens.shape
@@ -41,7 +40,7 @@ def mtad_tree_accept(st: DecodeState, beams: Beams, checked: Verified) -> Verdic
     logits = torch.stack([torch.stack([checked.at(w, i) for i in range(g + 1)]) for w in range(width)])
     log_p = st.judged(logits)
     lp_x = log_p[:, :g].gather(2, beams.tokens[:, :, None])[:, :, 0]
-    joint_p, joint_q = lp_x.cumsum(1), beams.token_logq.cumsum(1)
+    joint_p, joint_q = lp_x.cumsum(1), beams.token_logp.cumsum(1)
     etas = torch.stack([mtad_accept_length_t(jp, jq, st.settings.tau) for jp, jq in zip(joint_p, joint_q, strict=True)])
     etas = etas * live
     rank = etas * (2 * width) + (torch.arange(width, device=st.device) == beams.best) * width
@@ -49,7 +48,7 @@ def mtad_tree_accept(st: DecodeState, beams: Beams, checked: Verified) -> Verdic
     row = chosen.view(1)  # index_select, not [0-d tensor] indexing, which reads the index on the host
     eta = etas.index_select(0, row)[0]
     log_p_row = log_p.index_select(0, row)[0]
-    extra = pick(log_p_row.index_select(0, eta.view(1))[0], st.settings, st.generator)
+    extra = sample_logp(log_p_row.index_select(0, eta.view(1))[0], st.settings, generator=st.generator)
     draft = beams.tokens.index_select(0, row)[0]
     kept_lp = kept_logprobs(logits.index_select(0, row)[0], draft, eta, extra)
     jp_row, jq_row = joint_p.index_select(0, row)[0], joint_q.index_select(0, row)[0]
@@ -66,18 +65,13 @@ def mtad_tree_accept(st: DecodeState, beams: Beams, checked: Verified) -> Verdic
         step.candidate_kept = kept_lengths(all_beams, step.draft_ids[: step.accepted])
 
     more = (beams.tokens, beams.scores, beams.best, chosen)
-    return Verdict(draft, jp_row, jq_row, eta, extra, kept_lp, draft_calls=g, more=more, record=record)
+    return Decision(draft, jp_row, jq_row, eta, extra, kept_lp, draft_calls=g, more=more, record=record)
 
 
 MTAD_TREE = Iteration(propose=beam_draft, verify=verify_beams, accept=mtad_tree_accept)
-"""Beam-draft W beams (the draft cache left on the best one's row), verify all of them, keep the best prefix."""
-
-
-def mtad_tree_step(st: DecodeState) -> Step:
-    """One iteration of :data:`MTAD_TREE`: the beam with the longest passing prefix, plus one target token.
-
-    With W = 1 this is MTAD exactly: the same draws, the same forward, the same rule."""
-    return MTAD_TREE(st)
+"""Beam-draft W beams (the draft cache left on the best one's row), verify all of them, keep the beam with the
+longest passing prefix plus one target token. With W = 1 this is MTAD exactly: the same draws, the same
+forward, the same rule."""
 
 
 SPEC = MethodSpec(
@@ -86,7 +80,7 @@ SPEC = MethodSpec(
     short="MTAD tree",
     colour="#b45309",
     params=(PARAMS["beams"], PARAMS["gamma"], PARAMS["tau"], PARAMS["draft_mode"]),
-    step=mtad_tree_step,
+    step=MTAD_TREE,
     panel="mtad",
     verify_tokens=lambda s: 1 + s.beams * s.gamma,  # the pending token, then a token tree of every candidate
 )

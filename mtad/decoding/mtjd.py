@@ -1,17 +1,16 @@
 """Multi-token joint decoding (MTJD): the decoder MTAD approximates, run on the target alone.
 
-Each iteration writes the next K tokens from the target's joint law p(x_{t+1:t+K} | x_{1:t}), approximated
+Each iteration writes the next K tokens from the target's joint distribution p(x_{t+1:t+K} | x_{1:t}), approximated
 as the paper does by a beam search of width W over the target itself (or beam sampling), keeping the best
 beam. It costs K target forwards of W rows for K tokens: a reference, not a fast decoder. K = 1 is the
 target's own sampling (or greedy) decoding, token for token and draw for draw (the exact K = 1 case: the
-joint law of one token is the target's next-token law).
+joint distribution of one token is the target's next-token distribution).
 """
 
 from __future__ import annotations
 
-from mtad.decoding.autoregressive import ar_step
-from mtad.decoding.beams import Beams, beam_search
-from mtad.decoding.iteration import read
+from mtad.decoding.iteration import TARGET, read
+from mtad.decoding.mtad import Beams, beam_search
 from mtad.decoding.spec import MethodSpec
 from mtad.decoding.state import DecodeState
 from mtad.events import Step
@@ -25,7 +24,7 @@ def block_length(st: DecodeState) -> int:
 
 def target_beams(st: DecodeState, k: int) -> Beams:
     """The beam search over the target for the next ``k`` tokens after ``st.ids``: W beams scored by joint
-    log p under the run's law (a beam ends at its EOS), each token's unwarped log p kept for perplexity.
+    log p under the run's distribution (a beam ends at its EOS), each token's unwarped log p kept for perplexity.
     The target's cache is left holding the context and the best beam's first k - 1 tokens."""
     return beam_search(st, st.target, k, stop_at_eos=True, raw=True)
 
@@ -40,10 +39,10 @@ def cut_at_eos(tokens: list[int], eos_ids: frozenset[int]) -> list[int]:
 
 def mtjd_step(st: DecodeState) -> Step:
     """One MTJD iteration: the best of W beams of K tokens over the target, all K appended (fewer at the
-    budget or an EOS). A one-token block is the target's own draw (:func:`ar_step`)."""
+    budget or an EOS). A one-token block is the target's own draw (:data:`~mtad.decoding.iteration.TARGET`)."""
     k = block_length(st)
     if k <= 1:
-        return ar_step(st)
+        return TARGET(st)
     t0 = st.begin()
     beams = target_beams(st, k)
     joint, raw = beams.of_best(beams.token_logp).cumsum(0), beams.of_best(beams.token_raw)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mtad.decoding.iteration import Drafts, Iteration, Verdict, iid_draft, logprobs_of
+from mtad.decoding.iteration import Decision, Drafts, Iteration, iid_draft, logprobs_of
 from mtad.decoding.state import DecodeState
 from mtad.decoding.tree import TokenTree, keep_path, verify_tree
 from mtad.events import Step
@@ -101,7 +101,7 @@ class Walk:
 
     chosen: int
     accepted: int
-    extra: int
+    target_token: int
 
 
 def walk(
@@ -143,7 +143,7 @@ def walk(
         else:
             k, residual = rule(p, q_at(live[0], i), tokens, generator, trial)
             if k is None:
-                extra = int(sample(residual, generator))
+                extra = int(sample(residual, generator=generator))
                 if trial is not None:
                     trial.draw = extra
                 return Walk(live[0], i, extra)
@@ -152,7 +152,7 @@ def walk(
                 trial.accepted = k
         live = [w for w in live if cands[w][i] == x]
     p = p_at(live[0], depth)
-    extra = int(p.argmax()) if greedy else int(sample(p, generator))
+    extra = int(p.argmax()) if greedy else int(sample(p, generator=generator))
     return Walk(live[0], depth, extra)
 
 
@@ -221,7 +221,7 @@ def verified(st: DecodeState, drafts: torch.Tensor, how: str | None = None) -> V
     return (tree_verified if how == "tree" else rows_verified)(st, drafts)
 
 
-def walk_accept(st: DecodeState, drafts: Drafts, checked: Verified, rule: Rule) -> Verdict:
+def walk_accept(st: DecodeState, drafts: Drafts, checked: Verified, rule: Rule) -> Decision:
     """The walk with ``rule`` down the candidates (host-side: it reads p and q as it goes); the accepted
     prefix of the followed candidate plus one target token, both caches reduced to that candidate."""
     g = drafts.tokens.shape[1]
@@ -245,7 +245,7 @@ def walk_accept(st: DecodeState, drafts: Drafts, checked: Verified, rule: Rule) 
     draft = drafts.tokens[w]
     lp_x = st.judged(rows[:g]).gather(1, draft[:, None])[:, 0]
     lq_x = drafts.log_q[w].gather(1, draft[:, None])[:, 0]
-    kept = cands[w][:n] + [out.extra]
+    kept = cands[w][:n] + [out.target_token]
     kept_lp = logprobs_of(rows[: n + 1], torch.tensor(kept, device=st.device))
 
     def record(step: Step, values: list) -> None:
@@ -259,8 +259,8 @@ def walk_accept(st: DecodeState, drafts: Drafts, checked: Verified, rule: Rule) 
         step.candidate_kept = kept_lengths(cands, kept[:n])
 
     more = [t for trial in trials for t in trial.tensors()]
-    return Verdict(
-        cands[w], lp_x.cumsum(0), lq_x.cumsum(0), n, out.extra, kept_lp, draft_calls=g, more=more, record=record
+    return Decision(
+        cands[w], lp_x.cumsum(0), lq_x.cumsum(0), n, out.target_token, kept_lp, draft_calls=g, more=more, record=record
     )
 
 

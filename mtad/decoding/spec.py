@@ -31,7 +31,7 @@ class MethodSpec:
     defaults to 10, MTJD calls γ its block length K); the bench sweeps and reports only these, and
     ``Settings.validate`` checks them against the ranges given here. ``step``: its one-iteration function
     on the shared ``DecodeState`` (ar, sd, mtad ...; most call an ``mtad.decoding.iteration.Iteration`` of
-    their drafter, verifier and rule), or ``decoder``: a whole decoder that yields Steps itself (hf-assisted). ``exact``: its tokens follow the target's (warped) law exactly, so
+    their drafter, verifier and rule), or ``decoder``: a whole decoder that yields Steps itself (hf-assisted). ``exact``: its tokens follow the target's (warped) distribution exactly, so
     ``python -m mtad.audit`` must find no shift. ``drafts``: it runs the draft model. ``racer``: the page
     offers it as a lane. ``panel``: which verification panel (``PANELS``) explains an iteration; ``rule``:
     that panel's sentence on how it verifies; ``remark``: a line under the bench table where its

@@ -7,8 +7,6 @@ import torch
 
 from mtad.decoding.multidraft import Trial, multi_draft, residual_top
 from mtad.decoding.spec import MethodSpec
-from mtad.decoding.state import DecodeState
-from mtad.events import Step
 from mtad.settings import PARAMS
 
 
@@ -44,18 +42,13 @@ SPECINFER = multi_draft(mss)
 """m i.i.d. drafts verified in one target forward (a token tree), walked with MSS."""
 
 
-def specinfer_step(st: DecodeState) -> Step:
-    """One SpecInfer iteration: ``num_drafts`` i.i.d. drafts of gamma tokens, MSS down their token tree."""
-    return SPECINFER(st)
-
-
 SPEC = MethodSpec(
     name="specinfer",
     label="SpecInfer",
     short="SpecInfer",
     colour="#db2777",
     params=(PARAMS["num_drafts"], PARAMS["gamma"]),
-    step=specinfer_step,
+    step=SPECINFER,
     exact=True,
     panel="mss",
     rule="SpecInfer's MSS walks the token tree: children are tried in turn against p, then against "

@@ -8,15 +8,13 @@ import torch
 
 from mtad.decoding.multidraft import Trial, multi_draft, residual_top
 from mtad.decoding.spec import MethodSpec
-from mtad.decoding.state import DecodeState
-from mtad.events import Step
 from mtad.settings import PARAMS
 
 
 def kseq_rho(p: torch.Tensor, q: torch.Tensor, k: int, iters: int = 40) -> float:
     """The smallest rho in [1, k] with 1 - (1 - beta)^k <= rho * beta, beta = sum min(q, p / rho).
 
-    That inequality is what keeps K-SEQ's residual non-negative (so the output law is p); the
+    That inequality is what keeps K-SEQ's residual non-negative (so the output distribution is p); the
     acceptance 1 - (1 - beta)^k falls as rho grows, so the smallest feasible rho is the best. Both
     sides are monotone in rho, so bisection finds it; the upper end (always feasible) is returned.
     min(q, p / rho) is zero wherever p or q is, so the bisection runs on the (top-k sized) tokens
@@ -73,18 +71,13 @@ SPECTR = multi_draft(kseq)
 """m i.i.d. drafts verified in one target forward, walked with K-SEQ."""
 
 
-def spectr_step(st: DecodeState) -> Step:
-    """One Spectr iteration: ``num_drafts`` i.i.d. drafts of gamma tokens, K-SEQ along the tree they span."""
-    return SPECTR(st)
-
-
 SPEC = MethodSpec(
     name="spectr",
     label="Spectr",
     short="Spectr",
     colour="#0d9488",
     params=(PARAMS["num_drafts"], PARAMS["gamma"]),
-    step=spectr_step,
+    step=SPECTR,
     exact=True,
     panel="kseq",
     rule="Spectr's K-SEQ tries the candidates' tokens in turn at each position (accept x with "

@@ -20,7 +20,7 @@ from mtad.decoding.static_lm import StaticLM, compiles_draft
 from mtad.events import Step
 from mtad.models.devices import to_device
 from mtad.models.pair import ModelPair
-from mtad.sampling import Law, log_probs, make_generator, uniforms
+from mtad.sampling import Warp, log_probs, make_generator, uniforms
 from mtad.settings import Settings
 
 
@@ -120,10 +120,10 @@ class DecodeState:
         return st
 
     @functools.cached_property
-    def law(self) -> Law:
-        """The run's sampling law as the fused bookkeeping takes it: its values 0-d tensors on the device
+    def warp(self) -> Warp:
+        """The run's sampling distribution as the fused bookkeeping takes it: its values 0-d tensors on the device
         where that runs compiled (:mod:`mtad.decoding.fused`), made once a generation."""
-        return Law.of(self.settings, self.device if self.fused else None)
+        return Warp.of(self.settings, self.device if self.fused else None)
 
     @functools.cached_property
     def log_tau(self) -> float | torch.Tensor | None:
@@ -184,7 +184,7 @@ class DecodeState:
         t0 = self.timer.mark()
         logits = lm.feed(tokens, keep=1, columns=True)[:, -1]
         self.spans[phase].append((t0, self.timer.mark()))
-        if self.context is not None and lm is self.draft:  # the bias is the draft's law, so q includes it
+        if self.context is not None and lm is self.draft:  # the bias is the draft's distribution, so q includes it
             logits = self.context.add(logits, lm)
         return logits
 

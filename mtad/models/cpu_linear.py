@@ -47,17 +47,3 @@ def replace_linears(root: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> 
                 setattr(module, name, new)
                 replaced += 1
     return replaced
-
-
-def use_stationary_linears(model: nn.Module) -> int:
-    """Swap every plain ``nn.Linear`` in ``model`` for a :class:`StationaryLinear` holding the same
-    parameters (tied weights stay tied); returns how many were swapped."""
-
-    def stationary(child: nn.Linear) -> nn.Module:
-        if type(child) is not nn.Linear:
-            return child
-        new = StationaryLinear(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
-        new.weight, new.bias = child.weight, child.bias
-        return new
-
-    return replace_linears(model, stationary)

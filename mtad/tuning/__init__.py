@@ -8,7 +8,7 @@ speed of a candidate is its block efficiency over its iteration's seconds, again
 """
 
 from mtad.tuning.choose import Prediction, fastest, predict, tuned
-from mtad.tuning.table import METHODS, AcceptanceTable, Candidate, candidates, law_of
+from mtad.tuning.table import METHODS, AcceptanceTable, Candidate, candidates, warp_of
 from mtad.tuning.timing import TIMING_PROMPT
 
 __all__ = [
@@ -19,7 +19,7 @@ __all__ = [
     "Prediction",
     "candidates",
     "fastest",
-    "law_of",
+    "warp_of",
     "predict",
     "tuned",
 ]

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from mtad.decoding import encode_prompt
 from mtad.models.pair import ModelPair
 from mtad.settings import Settings
-from mtad.tuning.table import GAMMAS, METHODS, AcceptanceTable, Candidate, Row, describe_law, law_of, shipped_table
+from mtad.tuning.table import GAMMAS, METHODS, AcceptanceTable, Candidate, Row, describe_warp, shipped_table, warp_of
 from mtad.tuning.timing import TIMING_PROMPT, cached_iteration_seconds
 
 
@@ -80,25 +80,25 @@ def fastest(
     methods: Sequence[str] = METHODS,
     refresh: bool = False,
 ) -> Tuning:
-    """Time AR and every candidate of ``methods`` in the table under ``base``'s law on this machine (or read
+    """Time AR and every candidate of ``methods`` in the table under ``base``'s warp on this machine (or read
     the seconds it timed before) and rank them, timed after ``prompt_ids`` (default: :data:`TIMING_PROMPT`);
-    ValueError when the table has no rows for that law."""
+    ValueError when the table has no rows for that warp."""
     table = table_for(pair, table)
     rows = table.rows(base)
     if rows is None:
         raise ValueError(
-            f"the {table.pair} acceptance table has no figures for {describe_law(law_of(base))}; it has "
-            f"{'; '.join(table.described_laws())}"
+            f"the {table.pair} acceptance table has no figures for {describe_warp(warp_of(base))}; it has "
+            f"{'; '.join(table.described_warps())}"
         )
     rows = [r for r in rows if r.method in methods]
-    law = describe_law(law_of(base))
-    runs = {f"{law} | ar": base.with_(method="ar")}
-    runs |= {f"{law} | {r.candidate.label}": r.candidate.settings(base) for r in rows}
+    warp = describe_warp(warp_of(base))
+    runs = {f"{warp} | ar": base.with_(method="ar")}
+    runs |= {f"{warp} | {r.candidate.label}": r.candidate.settings(base) for r in rows}
     if prompt_ids is None:
         prompt_ids = encode_prompt(pair, TIMING_PROMPT, base.with_(gamma=max(GAMMAS)))
     seconds, from_disk = cached_iteration_seconds(pair, runs, prompt_ids, refresh=refresh)
-    ar = seconds.pop(f"{law} | ar")
-    by_candidate = {r.candidate: seconds[f"{law} | {r.candidate.label}"] for r in rows}
+    ar = seconds.pop(f"{warp} | ar")
+    by_candidate = {r.candidate: seconds[f"{warp} | {r.candidate.label}"] for r in rows}
     return Tuning(predict(rows, by_candidate, ar), ar, from_disk)
 
 

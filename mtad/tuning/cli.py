@@ -92,7 +92,7 @@ def run_measure(args: argparse.Namespace) -> int:
     from mtad.tuning.table import GAMMAS, AcceptanceTable, measure, table_path
 
     base = base_settings(args)
-    laws = [base] + ([base.with_(greedy=True)] if args.greedy_too and not base.is_greedy else [])
+    warps = [base] + ([base.with_(greedy=True)] if args.greedy_too and not base.is_greedy else [])
     seeds = parse_list(args.seeds, int, "seeds")
     prompts = read_prompts(args.prompts, args.limit)
     refuse_benchmark_prompts(args, prompts)
@@ -112,7 +112,7 @@ def run_measure(args: argparse.Namespace) -> int:
         pair,
         prompts,
         encoded,
-        laws,
+        warps,
         seeds,
         progress=not args.no_progress,
         commit=git_commit(),

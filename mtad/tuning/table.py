@@ -1,7 +1,7 @@
 """A pair's acceptance table: tokens per target call of each candidate setting, measured on held-out prompts.
 
-Block efficiency depends on the draft, the target, the sampling law and the rule's settings, not on the
-machine (up to the dtype's rounding), so it is measured once per pair and law, and the pair's preset names
+Block efficiency depends on the draft, the target, the sampling warp (temperature, top-k, top-p) and the rule's settings, not on the
+machine (up to the dtype's rounding), so it is measured once per pair and warp, and the pair's preset names
 the file (``acceptance =`` in ``assets/pairs.toml``); the machine's part, an iteration's seconds, is timed
 where the pair runs.
 """
@@ -58,7 +58,7 @@ def candidates(methods: Sequence[str] = METHODS) -> list[Candidate]:
     return out
 
 
-def law_of(settings: Settings) -> dict[str, object]:
+def warp_of(settings: Settings) -> dict[str, object]:
     """What a block efficiency depends on besides the pair and the candidate: greedy or the sampling warp,
     MTAD's τ and its draft's search. Greedy needs no warp."""
     warp = (
@@ -87,7 +87,7 @@ class Row:
 
 @dataclass
 class AcceptanceTable:
-    """Block efficiency per candidate and law for one pair, and how it was measured."""
+    """Block efficiency per candidate and sampling warp for one pair, and how it was measured."""
 
     pair: str
     prompts: str
@@ -96,26 +96,26 @@ class AcceptanceTable:
     dtype: str
     date: str
     commit: str | None
-    laws: list[dict] = field(default_factory=list)
-    """Each ``{"law": law_of(...), "rows": [Row as a dict, ...]}``."""
+    warps: list[dict] = field(default_factory=list)
+    """Each ``{"warp": warp_of(...), "rows": [Row as a dict, ...]}``."""
     prompt_ids: list[str] = field(default_factory=list)
     """The ids of the prompts measured, in order (a file's first N when measured with a limit)."""
 
     def rows(self, settings: Settings) -> list[Row] | None:
-        """The rows measured under ``settings``' law, or None if the table has none for it."""
-        want = law_of(settings)
-        for entry in self.laws:
-            if entry["law"] == want:
+        """The rows measured under ``settings``' warp, or None if the table has none for it."""
+        want = warp_of(settings)
+        for entry in self.warps:
+            if entry["warp"] == want:
                 return [Row(**r) for r in entry["rows"]]
         return None
 
-    def described_laws(self) -> list[str]:
-        """Each law the table holds, in words (for the message when a law is missing)."""
-        return [describe_law(e["law"]) for e in self.laws]
+    def described_warps(self) -> list[str]:
+        """Each warp the table holds, in words (for the message when a warp is missing)."""
+        return [describe_warp(e["warp"]) for e in self.warps]
 
     def merged(self, other: AcceptanceTable) -> AcceptanceTable:
         """This table and ``other``, measured the same way on other seeds, pooled: each row's tokens and
-        target calls summed (so its block efficiency is that of all the runs), laws matched by value.
+        target calls summed (so its block efficiency is that of all the runs), warps matched by value.
         ValueError naming what differs, so that a table never pools figures of two experiments."""
         for name in ("pair", "prompts", "prompt_ids", "max_new_tokens", "dtype"):
             if getattr(self, name) != getattr(other, name):
@@ -124,16 +124,16 @@ class AcceptanceTable:
                 )
         if shared := sorted(set(self.seeds) & set(other.seeds)):
             raise ValueError(f"both tables hold seed(s) {shared}: pool only new seeds")
-        theirs = {json.dumps(e["law"], sort_keys=True): e["rows"] for e in other.laws}
-        laws = []
-        for entry in self.laws:
-            rows = theirs.pop(json.dumps(entry["law"], sort_keys=True), None)
+        theirs = {json.dumps(e["warp"], sort_keys=True): e["rows"] for e in other.warps}
+        warps = []
+        for entry in self.warps:
+            rows = theirs.pop(json.dumps(entry["warp"], sort_keys=True), None)
             if rows is None:
-                raise ValueError(f"the other table has no figures for {describe_law(entry['law'])}")
-            laws.append({"law": entry["law"], "rows": pooled_rows(entry["rows"], rows)})
+                raise ValueError(f"the other table has no figures for {describe_warp(entry['warp'])}")
+            warps.append({"warp": entry["warp"], "rows": pooled_rows(entry["rows"], rows)})
         if theirs:
             raise ValueError(
-                f"the other table has laws this one lacks: {', '.join(describe_law(json.loads(k)) for k in theirs)}"
+                f"the other table has warps this one lacks: {', '.join(describe_warp(json.loads(k)) for k in theirs)}"
             )
         return AcceptanceTable(
             pair=self.pair,
@@ -143,7 +143,7 @@ class AcceptanceTable:
             dtype=self.dtype,
             date=max(self.date, other.date),
             commit=other.commit or self.commit,  # the newer measurement's
-            laws=laws,
+            warps=warps,
             prompt_ids=self.prompt_ids,
         )
 
@@ -156,13 +156,16 @@ class AcceptanceTable:
     def load(cls, path: Path) -> AcceptanceTable:
         """The table in ``path``; ValueError naming the file when it cannot be read as one."""
         try:
-            return cls(**json.loads(Path(path).read_text()))
+            fields = json.loads(Path(path).read_text())
+            if "laws" in fields:  # tables written before 0.2.0 named each warp a "law"
+                fields["warps"] = [{"warp": e["law"], "rows": e["rows"]} for e in fields.pop("laws")]
+            return cls(**fields)
         except (OSError, ValueError, TypeError) as exc:
             raise ValueError(f"cannot read the acceptance table {path}: {exc}") from None
 
 
 def pooled_rows(mine: list[dict], theirs: list[dict]) -> list[dict]:
-    """Rows of one law from two tables, candidate by candidate, with summed counts."""
+    """Rows of one warp from two tables, candidate by candidate, with summed counts."""
     key = itemgetter("method", "gamma", "beams")
     by_candidate = {key(r): r for r in theirs}
     if set(by_candidate) != {key(r) for r in mine}:
@@ -175,10 +178,10 @@ def pooled_rows(mine: list[dict], theirs: list[dict]) -> list[dict]:
     return out
 
 
-def describe_law(law: dict) -> str:
+def describe_warp(warp: dict) -> str:
     """``greedy, τ 0.1, beam`` or ``T 1, top-k 20, top-p 0.9, τ 0.1, beam``."""
-    head = "greedy" if law["greedy"] else f"T {law['temperature']:g}, top-k {law['top_k']}, top-p {law['top_p']:g}"
-    return f"{head}, τ {law['tau']:g}, {law['draft_mode']}"
+    head = "greedy" if warp["greedy"] else f"T {warp['temperature']:g}, top-k {warp['top_k']}, top-p {warp['top_p']:g}"
+    return f"{head}, τ {warp['tau']:g}, {warp['draft_mode']}"
 
 
 def table_path(pair_name: str) -> Path | None:
@@ -199,27 +202,27 @@ def measure(
     pair: ModelPair,
     prompts: Sequence[Prompt],
     encoded: Sequence[list[int]],
-    laws: Sequence[Settings],
+    warps: Sequence[Settings],
     seeds: Sequence[int],
     methods: Sequence[str] = METHODS,
     progress: bool = True,
     commit: str | None = None,
     prompts_name: str = "",
 ) -> AcceptanceTable:
-    """Run every candidate under every law on ``prompts`` through the bench's runner and keep each one's
+    """Run every candidate under every warp on ``prompts`` through the bench's runner and keep each one's
     pooled block efficiency (new tokens over target calls, ``mtad.metrics.pool``)."""
     table = AcceptanceTable(
         pair=pair.name,
         prompts=prompts_name,
-        max_new_tokens=laws[0].max_new_tokens,
+        max_new_tokens=warps[0].max_new_tokens,
         seeds=list(seeds),
         dtype=str(pair.dtype).replace("torch.", ""),
         date=datetime.now(UTC).isoformat(timespec="seconds"),
         commit=commit,
         prompt_ids=[p.id for p in prompts],
     )
-    for law in laws:
-        cases = [Case(c.settings(law).validate()) for c in candidates(methods)]
+    for warp in warps:
+        cases = [Case(c.settings(warp).validate()) for c in candidates(methods)]
         result = run_bench(pair, cases, prompts, encoded, seeds, repeats=1, warmup=0, progress=progress)
         if result.failures or result.interrupted:
             raise RuntimeError(f"the acceptance table was not finished: {result.failures or 'interrupted'}")
@@ -240,5 +243,5 @@ def measure(
                     )
                 )
             )
-        table.laws.append({"law": law_of(law), "rows": rows})
+        table.warps.append({"warp": warp_of(warp), "rows": rows})
     return table

@@ -153,7 +153,7 @@ def pair_facts(pair: object) -> str:
             engine = f"compiled target ({inductor}), {engine} for the draft"
     facts = f"draft {millions(d)}, target {millions(t)} parameters · {dtype} · {escape(engine)}"
     bias = described(pair.draft)
-    if bias["weights"]:  # the draft's law includes it: what the verify panel's q shows
+    if bias["weights"]:  # the draft's distribution includes it: what the verify panel's q shows
         where = "every decoder's" if bias["decoders"] == "all drafting" else "the exact decoders'"
         weights = ", ".join(f"{w:g}" for w in bias["weights"])
         facts += f" · {where} draft copies from the context (n-gram weights {weights})"

@@ -15,6 +15,7 @@ import torch
 
 from mtad.decoding import decode
 from mtad.decoding.precompile import needs_warm_up, warm_up_pair, warm_up_settings
+from mtad.energy import EnergyMeter, PowerSampler
 from mtad.models.errors import PairError
 from mtad.models.pair import ModelPair, load_pair
 from mtad.models.presets import presets
@@ -121,10 +122,6 @@ HISTORY: deque[tuple[str, str, int]] = deque(maxlen=16)  # (method, final state,
 
 def energy_tools(device: torch.device) -> tuple[object | None, object | None, str]:
     """(meter, sampler, reason) from ``mtad.energy``; (None, None, reason) where there is none."""
-    try:
-        from mtad.energy import EnergyMeter, PowerSampler
-    except ImportError:
-        return None, None, "no energy meter installed"
     try:
         meter, sampler = EnergyMeter(device), PowerSampler(device, hz=20)
     except Exception as exc:  # noqa: BLE001 - a broken meter must never break a run

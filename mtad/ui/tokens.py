@@ -140,7 +140,7 @@ def legend_html() -> str:
         '<span><span class="tok tok-tgt">target token</span> the target\'s own token (bonus / resample)</span>'
         '<span><span class="tok tok-rej">rejected</span> drafted, thrown away</span>'
         '<span class="legend-hint">Hover a drafted token for “p · q”: the probability the target (p) and the draft '
-        "(q) gave it at that position, under the run's warped laws (after temperature, top-k, top-p), so “p 1 · q 1” "
+        "(q) gave it at that position, under the run's warped distributions (after temperature, top-k, top-p), so “p 1 · q 1” "
         "means both were certain and “p 0” that the target's top-k / top-p ruled it out. Rejected drafts stay "
         "visible, struck through, to show what was tried (a strict rule rejects many): tick a lane's “reply only” "
         "to read the reply alone. Faint borders separate iterations.</span>"

@@ -268,12 +268,12 @@ def bild_table(lane: LaneRecord, step: Step, tokenizer: object | None, settings:
     )
 
 
-def laws_html(step: Step, lane: LaneRecord | None = None) -> str:
+def distributions_html(step: Step, lane: LaneRecord | None = None) -> str:
     """What p and q are in this panel, why a prefix can be −∞, and how many of the lane's iterations had
     every prefix at −∞."""
     text = (
-        "p and q are the <b>warped laws</b>: the target's and the draft's next-token distributions after this "
-        "run's temperature, top-k and top-p (greedy: plain softmax at T = 1) — the laws the rule compares, not "
+        "p and q are the <b>warped distributions</b>: the target's and the draft's next-token distributions after this "
+        "run's temperature, top-k and top-p (greedy: plain softmax at T = 1) — the distributions the rule compares, not "
         "the raw models."
     )
     if any(not math.isfinite(v) for v in step.log_p):
@@ -289,7 +289,7 @@ def laws_html(step: Step, lane: LaneRecord | None = None) -> str:
                 f" In this lane {dead} of {len(drafted)} drafting iterations had <b>every</b> prefix at −∞: the "
                 "draft's first token was already outside what the warped target allows."
             )
-    return f'<p class="v-laws">{text}</p>'
+    return f'<p class="v-distributions">{text}</p>'
 
 
 def verdict_html(lane: LaneRecord, step: Step, tau: float, run_tau: float) -> str:
@@ -372,7 +372,7 @@ def verify_html(
             "so the target generated it alone.</p></div>"
         )
     pieces = draft_pieces(lane, index, tokenizer, step.draft_ids)
-    parts = [head, laws_html(step, lane)]
+    parts = [head, distributions_html(step, lane)]
     parts.append(candidates_html(lane, step, tokenizer))
     if panel == "mtad":
         parts += [beams_html(lane, step, tokenizer) if not step.candidates else "", mtad_table(step, pieces, tau)]

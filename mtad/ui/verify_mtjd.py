@@ -2,8 +2,8 @@
 
 MTJD drafts nothing and verifies nothing: each iteration is a beam search of width W over K tokens with the
 target, and the best beam's tokens are written. So the panel shows the beams, best first, with the joint
-log-probability each was ranked by (the run's law: warped when sampling, the T = 1 softmax when greedy), and
-the kept block's tokens with their log p under that law and under the target at T = 1 (what perplexity reads).
+log-probability each was ranked by (the run's distribution: warped when sampling, the T = 1 softmax when greedy), and
+the kept block's tokens with their log p under that distribution and under the target at T = 1 (what perplexity reads).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def panel_html(lane: LaneRecord, index: int, tokenizer: object | None = None) ->
     )
     verdict = (
         '<div class="v-verdict"><p>MTJD writes the <b>best beam\'s</b> tokens: a beam search over the target '
-        "approximates the most likely next K tokens under its joint law. There is no draft and no acceptance "
+        "approximates the most likely next K tokens under its joint distribution. There is no draft and no acceptance "
         "rule, so τ plays no part; MTAD approximates this choice with a small draft model and one target "
         "forward. Each of the K beam steps is one target forward over W rows, which is why this lane is "
         "slow.</p></div>"
