@@ -174,7 +174,7 @@ def _read_watts(nvml: Any, handle: Any) -> float:
 
 
 class NvmlCounter:
-    """NVML's total-energy counter of one GPU (mJ since the driver loaded; refreshed every 20-100 ms)."""
+    """NVML's total-energy counter of one GPU (mJ since the driver loaded; its refresh: :data:`COUNTER_REFRESH_S`)."""
 
     source = SOURCE_COUNTER
 

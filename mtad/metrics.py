@@ -13,8 +13,8 @@ from mtad.events import Step, json_safe
 REPEAT_N = 4
 """Repetition is counted over n-grams of this many tokens."""
 LOOP_REPETITION = 0.15
-"""A text with this share of repeated 4-grams or more is called a loop: target samples (AR, SD) of
-128–512 tokens stay at a few per cent, MTAD's loops reach 17–54 % (docs/metrics.md)."""
+"""A text with this share of repeated 4-grams or more is called a loop: the target's own samples (AR, SD)
+stay well below it, MTAD's loops above it (docs/metrics.md)."""
 
 
 @dataclass

@@ -13,8 +13,8 @@ K = the tokens MTAD drafted there) and compares MTJD's choice with what MTAD did
 * ``common_prefix``: the tokens MTAD appended that agree with MTJD's block before the first difference.
 
 MTJD's choice is a beam search, deterministic unless ``--draft-mode beam-sample``: in sampling runs MTAD's
-tokens are draws and agreement measures how often a draw lands on the beam search's mode. Definitions and
-measurements: docs/methods.md and docs/journal/2026-11-24-mtjd-figure1.md.
+tokens are draws and agreement measures how often a draw lands on the beam search's mode. Definitions:
+docs/methods.md; how to run it: docs/bench.md, experiment (g).
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """An iteration's bookkeeping compiled into a few kernels where a kernel launch costs more than its work.
 
 Between the forwards, an iteration warps distributions, lists top-k tokens, chooses beams and applies its rule:
-dozens of operations on a few dozen values each. On a GPU every one is a kernel launch the host pays for
-(an H100's host: 6.5 µs a launch, 462 launches an MTAD iteration outside the forwards' graphs), so on the
-compiled engine ``torch.compile`` fuses each function marked :func:`fused` into a few kernels there. On a
-CPU an operation costs its dispatch and a compiled call costs more than the dozen operations it fuses,
-so there the same function runs as written. Both run one Python function: compiled, it takes the
-general paths that need no host read (``torch.compiler.is_compiling``).
+dozens of operations on a few dozen values each. On a GPU every one is a kernel launch the host pays for,
+hundreds an MTAD iteration outside the forwards' graphs, so on the compiled engine ``torch.compile`` fuses
+each function marked :func:`fused` into a few kernels there. On a CPU an operation costs its dispatch and
+a compiled call costs more than the dozen operations it fuses, so there the same function runs as written.
+Both run one Python function: compiled, it takes the general paths that need no host read
+(``torch.compiler.is_compiling``).
 
 The functions take the run's temperature, top-p and log τ as 0-d device tensors (``DecodeState.distribution`` and
 ``log_tau``), so a visitor's new value is an input to the graph already compiled: only turning the

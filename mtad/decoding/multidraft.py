@@ -6,7 +6,7 @@ Two layouts for the one target forward (:func:`layout`):
 - ``tree`` (default): one row, the candidates merged into a token tree (shared prefixes once) with a
   4-D tree attention mask and per-node positions (:mod:`mtad.decoding.tree`). The tree feeds fewer
   tokens whenever drafts share a prefix (beams nearly always do) and never copies the cache m times;
-  rows won only for m=2 without sharing (docs/journal/2026-11-22-runtime-design-measurements.md).
+  rows were faster only for m=2 drafts that share nothing.
 - ``rows``, the fallback: one batch row per candidate, the target's cache fanned out with
   ``KVCache.fan_out`` and reduced to the kept row with ``KVCache.keep_row``.
   It needs nothing but a standard cache, so it runs on any architecture and any attention
@@ -210,7 +210,7 @@ TREE_ATTENTION = ("eager", "sdpa", CPU_SDPA)
 
 def layout(st: DecodeState, candidates: int) -> str:
     """``tree`` where the target's attention honours a 4-D mask and there is more than one candidate,
-    else ``rows`` (see the module docstring for the measurements behind this)."""
+    else ``rows`` (see the module docstring for why)."""
     kernel = getattr(st.target.model.config, "_attn_implementation", None) or "eager"
     return "tree" if candidates > 1 and kernel in TREE_ATTENTION else "rows"
 

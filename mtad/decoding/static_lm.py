@@ -48,7 +48,7 @@ its own, and a tree's size changes every iteration): at most six captures, not o
 there trees are not padded."""
 TREE_TOKENS = TREE_BUCKETS[-1]
 """The most tokens a token tree's verification (the pending context, then every node) runs compiled: W = 8
-beams of γ = 4 are up to 33, and trees of 17-31 tokens were most of MTAD-tree's verifications on SmolLM2.
+beams of γ = 4 are up to 33, and most of MTAD-tree's verifications are smaller, as its beams share prefixes.
 Past :data:`COMPILED_TOKENS` one graph, dynamic in the token count, serves them all on a CPU."""
 CAPACITY_STEP = 256
 GRAPH_CAPACITY_STEP = 2048
@@ -347,8 +347,8 @@ def one_row_layers(model: torch.nn.Module) -> tuple[list | None, int]:
     """The layers' tensors a one-row forward of a few tokens multiplies by when they differ from every other
     forward's, and up to how many tokens: an int8 draft's for the int8 kernel where it takes the draft's
     dtype (bf16, or fp32 rounded to bf16 on AVX2 and AVX-512), one token, as on the eager engine; a plain
-    model's for inductor's reductions (the ``gemv`` form), as many tokens as measured faster for its dtype on
-    this CPU (:func:`~mtad.models.static_llama.gemv_tokens`); else (None, 0)."""
+    model's for inductor's reductions (the ``gemv`` form), as many tokens as that form is the faster one for its
+    dtype on this CPU (:func:`~mtad.models.static_llama.gemv_tokens`); else (None, 0)."""
     int8 = [int8_layer_weights(layer) for layer in model.model.layers]
     if all(int8):
         return int8, 1

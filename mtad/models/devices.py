@@ -45,9 +45,9 @@ def resolve_device(device: str | None = "auto") -> torch.device:
 def configure_cpu_threads() -> int:
     """Use all cores but one for torch's intra-op threads on the CPU (``MTAD_CPU_THREADS`` overrides).
 
-    Measured on a 2-core machine: with one core busy elsewhere (a web server, a second job),
-    2-thread torch ran the embedded pair 150x slower than 1 thread, its threads spinning on a
-    descheduled peer. Leaving a core free keeps the UI responsive and the timings honest.
+    On a machine with one core busy elsewhere (a web server, a second job), torch's threads on every core
+    spin on a descheduled peer and run far slower than one thread. Leaving a core free keeps the UI
+    responsive and the timings honest.
     """
     wanted = os.environ.get("MTAD_CPU_THREADS")
     try:
@@ -181,7 +181,7 @@ def use_cuda_kernels() -> None:
     """Keep scaled-dot-product attention off cuDNN on CUDA (process-wide), for flash or memory-efficient.
 
     torch sends SDPA to cuDNN first on Hopper and newer, and cuDNN builds an execution plan for every
-    new shape; decoding meets a new key length at every step (and new row counts with beams). Measured
-    on an H100: docs/journal/2026-11-22-smollm2-h100.md.
+    new shape; decoding meets a new key length at every step (and new row counts with beams), so each
+    step would pay for a new plan.
     """
     torch.backends.cuda.enable_cudnn_sdp(False)

@@ -1,14 +1,13 @@
 """A GGUF model, dequantised once into an ordinary transformers directory in the user's cache.
 
-transformers reads a GGUF file slowly (its tensor-name map is rebuilt per tensor, the file parsed
-twice, the tokenizer converted in Python), an order of magnitude slower than the same weights as
-safetensors. So the first load
-writes the dequantised fp32 weights, config and tokenizer to ``$MTAD_CACHE`` (default
+transformers reads a GGUF file far more slowly than the same weights as safetensors (its tensor-name map
+is rebuilt per tensor, the file parsed twice, the tokenizer converted in Python). So the first load writes
+the dequantised fp32 weights, config and tokenizer to ``$MTAD_CACHE`` (default
 ``~/.cache/mtad``), keyed by the file's name and the SHA-256 of its bytes; later loads read that.
 
 The key is the content, not the file's modification time (as it was): every install of a packaged GGUF
-(a new virtual environment, a clean checkout's CI) writes the file anew, and each made another copy of
-some 500 MB that nothing removed. Copies under that old key are removed when the new one is written.
+(a new virtual environment, a clean checkout's CI) writes the file anew, and each made another full copy
+of the target that nothing removed. Copies under that old key are removed when the new one is written.
 """
 
 from __future__ import annotations
@@ -34,8 +33,8 @@ def cache_root() -> Path:
 
 def cached_dir(gguf: Path) -> Path:
     """Where the dequantised copy of ``gguf`` lives (it may not exist yet): the same bytes under the same
-    name, wherever and whenever they were installed, share one copy. Hashing SmolLM2's 98 MB GGUF took
-    0.06 s from the page cache, 1 s from disk."""
+    name, wherever and whenever they were installed, share one copy. Hashing the file costs far less than the
+    load it saves."""
     with gguf.open("rb") as fh:
         digest = hashlib.file_digest(fh, "sha256").hexdigest()
     return cache_root() / "gguf" / f"{gguf.stem}-sha256-{digest[:16]}"

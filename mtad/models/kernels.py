@@ -12,7 +12,8 @@ speed. Which one that is depends on the CPU and the dtype, and no flag predicts 
   multiplied by ``_linear_pointwise``; fp32 and bf16.
 
 At load, :func:`choose` times every candidate on the model's own weight shapes for 1 and 5 rows,
-interleaved, and keeps the fastest total (under a second for SmolLM2-135M); ``MTAD_CPU_LINEAR`` names one instead.
+interleaved, and keeps the fastest total (a short probe next to the load); ``MTAD_CPU_LINEAR`` names one
+instead.
 """
 
 from __future__ import annotations
@@ -182,9 +183,9 @@ def choose_threads(model: nn.Module) -> int:
     fastest here, of one less than the cores (what loading sets: a core left to a page's server) and all
     of them; ``MTAD_CPU_THREADS`` when set. Returns the count now in use.
 
-    On a 2-core EPYC (Zen 4) with nothing else running, 2 threads made SmolLM2's forwards 1.2-1.5x faster
-    than 1 (the journal's 2026-11-24-feature-draft.md); with the other core busy, 2 threads spin and are
-    far slower, which the same measurement sees. The bench and the CLI call this; the page does not."""
+    On a 2-core machine with nothing else running, both cores make a small model's forwards faster than one;
+    with the other core busy, two threads spin and are far slower, which the same measurement sees. The bench
+    and the CLI call this; the page does not."""
     if os.environ.get("MTAD_CPU_THREADS"):
         return torch.get_num_threads()
     cores = os.cpu_count() or 1

@@ -82,9 +82,8 @@ class ShortlistEmbedding(nn.Module):
 def int8_kernel_input(dtype: torch.dtype) -> torch.dtype | None:
     """The dtype one row in ``dtype`` enters PyTorch's int8-weight kernel as on this CPU, None where it
     multiplies the dequantised matrix instead: bf16 as it is; fp32 rounded to bf16 where PyTorch runs AVX2
-    or AVX-512 code, whose int8 kernel is vectorised for bf16 input and not for fp32 (journal, 2026-11-26:
-    the smollm2 draft's head at one row 1.19 ms dense fp32, 0.20 ms so, on emulated AVX2; the draft's
-    one-row forward 1.4-2.5 ms against 0.8-1.8 with AVX2 and AVX-512); elsewhere unmeasured, so None.
+    or AVX-512 code, whose int8 kernel is vectorised for bf16 input and not for fp32 (so the rounded row
+    beats the dense fp32 product there); not tried on other CPUs, so None.
     The draft's q is then what that rounded product gives, which every rule uses as it is."""
     if dtype == torch.bfloat16:
         return dtype

@@ -44,10 +44,9 @@ def resolve_engine(engine: str | None) -> str:
 
 def choose_engine(engine: str, device: torch.device, draft: torch.nn.Module, target: torch.nn.Module) -> str:
     """What ``auto`` means for a loaded pair: ``compiled`` wherever the engine can run the target
-    (:func:`supports`) and the draft reads none of the target's features, else ``eager``. The bench measured every decoder faster
-    compiled on a CPU (bf16, and fp32 on AVX2) and on a GPU, where the compiled engine replays CUDA graphs
-    (an H200: AR 8.4x, MTAD 5.9x the eager engine; docs/benchmarks.md). An explicit engine is returned
-    as it is."""
+    (:func:`supports`) and the draft reads none of the target's features, else ``eager``. In the bench every
+    decoder ran faster compiled, on a CPU (bf16, and fp32 on AVX2) and on a GPU, where the compiled engine
+    replays CUDA graphs. An explicit engine is returned as it is."""
     if engine != "auto":
         return engine
     # inductor's GPU kernels (Triton) need compute capability 7.0 or newer
@@ -82,8 +81,8 @@ def supports(model: torch.nn.Module) -> str | None:
 
 # The compiled graphs call the packed product as an opaque operator (the compiler cannot lower a packed weight
 # that comes in as an input rather than a constant). It is declared with torch.library's low-level
-# define/impl rather than ``custom_op``, whose wrapper costs 3.4 us more a call (13.3 against 16.8 us on a
-# 64 x 64 product): 0.4 ms of a 13 ms forward of 30 layers x 4 products.
+# define/impl rather than ``custom_op``, whose Python wrapper adds its own cost to each of the many products
+# of a forward.
 torch.library.define("mtad::packed_linear", "(Tensor x, Tensor packed, int out_features) -> Tensor")
 
 
@@ -106,7 +105,7 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, out
     """``x @ (qweight * scale[:, None]).T`` by PyTorch's int8-weight kernel (``aten._weight_int8pack_mm``), which
     reads half the bytes of a bf16 product: what an int8 draft's one-row forward multiplies with on either engine
     (:class:`mtad.models.shortlist_draft.Int8Linear`). Compiled, inductor calls the kernel straight from its
-    wrapper (an operator of this library's around it cost 18 us more a call: 8 of a draft's 9 products)."""
+    wrapper (an operator of this library's around it added a Python call to most of a draft's products)."""
     flat = x.reshape(-1, x.shape[-1]).contiguous()
     return shortlist_draft.int8_product(flat, qweight, scale).reshape(*x.shape[:-1], out_features)
 
@@ -121,7 +120,7 @@ def hold_widths(*parts: Any) -> None:
     """Mark every tensor in ``parts`` (nested tuples and lists) static in dynamo's eyes: its shape is a model's
     widths. Dynamo makes a dimension generic once a second call differs in it; the layer function is shared by
     every model in the process, so without this a second model (the page's other pair) compiled graphs generic
-    in its widths: SmolLM2's one-token forward after the embedded pair's took 215 ms, not 18 (compiled 8 min).
+    in its widths, whose one-token forwards ran many times slower and took minutes to compile.
     Token and row counts may still turn generic, as within one model."""
     for part in parts:
         if isinstance(part, torch.Tensor):
@@ -138,10 +137,10 @@ def head(model: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | Non
 
 def layer_weights(layer: torch.nn.Module) -> LayerWeights:
     """A decoder layer's tensors as :func:`decoder_layer` takes them, the form of its products (``packed``
-    when oneDNN-packed, else ``plain``), and their widths (read once here, not at every forward). Packed: the two norms, then q, k and v as one packed matrix, o, gate and up as one, and
-    down (three fewer products a layer: measured 1.5x faster for the five matrices of a SmolLM2 layer at one
-    row in bf16); made once per layer and weights, and the layers' own packed copies of the fused matrices
-    are dropped (an eager forward packs them again when it needs them). Else the seven plain matrices.
+    when oneDNN-packed, else ``plain``), and their widths (read once here, not at every forward). Packed: the
+    two norms, then q, k and v as one packed matrix, o, gate and up as one, and down (three fewer products a
+    layer: faster at one row); made once per layer and weights, and the layers' own packed copies of the fused
+    matrices are dropped (an eager forward packs them again when it needs them). Else the seven plain matrices.
     An int8 layer (a shortlist draft's) counts with its dequantised matrix, which is what its products
     multiply by from two rows on, and is packed when its model's kernel is oneDNN."""
     linears, norms = _parts(layer)
@@ -174,10 +173,9 @@ def layer_weights(layer: torch.nn.Module) -> LayerWeights:
 
 GEMV_INPUT_BYTES = 24 * 1024
 """The most bytes of input a product in the ``gemv`` form reduces against a matrix; a larger one takes the
-packed product. The reduction keeps every token's input in the core's first-level cache while the matrix
-streams past: SmolLM2's down projection (1,536 inputs, fp32, emulated AVX2 on a Zen 4 with 48 KiB of it)
-took 114 µs for four tokens (24 KiB; oneDNN 150) and 196-215 µs for five (30 KiB; oneDNN 116-133); a
-five-token forward 22.1 -> 20.9 ms with that product packed, a four-token one 17.3 -> 18.8 ms (journal)."""
+packed product. The reduction rereads every token's input for every row of the matrix, so it beats oneDNN
+only while those inputs stay in the core's first-level cache as the matrix streams past: SmolLM2's down
+projection (1,536 fp32 inputs) is faster reduced at four tokens (24 KiB) and faster packed at five."""
 
 
 def _reducible(x: torch.Tensor) -> bool:
@@ -194,12 +192,12 @@ def _fits(tokens: int, width: int, element_size: int) -> bool:
 @functools.cache
 def gemv_tokens(dtype: torch.dtype) -> int:
     """The most tokens of one row whose CPU forward in ``dtype`` takes the ``gemv`` form
-    (:func:`gemv_layer_weights`), 0 for none, from measurements on SmolLM2-135M (journal, 2026-11-26):
-    fp32 one token everywhere (a forward 11-17 % faster than with oneDNN's packed products on Zen 4, AVX-512
-    and AVX2 alike) and up to six where PyTorch dispatches to AVX2, whose few-row oneDNN products read the
-    weights slowly (two to six tokens 11-25 % faster; eight slower; with AVX-512 oneDNN is as fast from
-    three); bf16 one token where the CPU has AVX512-BF16 but not AMX (17 % faster; from two tokens
-    oneDNN's bf16 products are twice as fast; AMX unmeasured, left to oneDNN)."""
+    (:func:`gemv_layer_weights`), 0 for none, as SmolLM2-135M's forwards showed: fp32 one token everywhere
+    (the reduction reads each weight once and beats oneDNN's packed product, with AVX-512 and AVX2 alike)
+    and up to six where PyTorch dispatches to AVX2, whose few-row oneDNN products read the weights slowly
+    (at eight tokens the reductions lose; with AVX-512 oneDNN is as fast from three); bf16 one token where
+    the CPU has AVX512-BF16 but not AMX (from two tokens oneDNN's bf16 products are faster; AMX not tried,
+    left to oneDNN)."""
     if dtype == torch.float32:
         return 6 if torch.backends.cpu.get_cpu_capability() == "AVX2" else 1
     flags = cpu_flags()
@@ -212,7 +210,7 @@ def gemv_layer_weights(layer: torch.nn.Module) -> LayerWeights | None:
     oneDNN layer, its four packed products (:func:`layer_weights`'s, shared) for inputs larger than
     :data:`GEMV_INPUT_BYTES`. Compiled, each other product is a reduction inductor generates
     (:func:`_gemv`), which streams the matrix once with no call into a library. None for dtypes with no
-    such tokens, other devices, and int8 layers (inductor's int8-to-fp32 reduction ran 13x slower than the
+    such tokens, other devices, and int8 layers (inductor's int8-to-fp32 reduction is far slower than the
     fp32 one)."""
     linears, norms = _parts(layer)
     if not gemv_tokens(norms[0].dtype) or norms[0].device.type != "cpu":
@@ -325,9 +323,9 @@ def _attention(
 ) -> torch.Tensor:
     """Grouped-query attention of ``q`` [rows, heads, n, d] over the first ``mask.shape[-1]`` slots, as
     two batched products and a softmax in fp32: for the few queries of decoding, the CPU's fused
-    attention kernel costs more in set-up than these (about 0.2 ms a layer, measured in bf16); longer
-    inputs (a prefill) take that kernel. Compiled on a CPU, one query a row is two reductions instead, and
-    so are a few queries in bf16 (:func:`_few_query_attention`)."""
+    attention kernel costs more in set-up than these; longer inputs (a prefill) take that kernel. Compiled on
+    a CPU, one query a row is two reductions instead, and so are a few queries in bf16
+    (:func:`_few_query_attention`)."""
     rows, heads, n, d = q.shape
     kv_heads, span = k_buf.shape[1], mask.shape[-1]
     if n > FEW_QUERIES:  # a prefill: the fused kernel, which never holds the whole score matrix
@@ -340,7 +338,7 @@ def _attention(
         return _few_query_attention(q, k_buf, v_buf, mask, scaling)
     if n == 1 and q.device.type == "cpu" and torch.compiler.is_compiling():
         # one query a row: two reductions inductor generates, in fp32, read the keys and values once with no
-        # call into a library (one-token bf16 forwards 12-13 % faster, fp32 0-6 %; journal)
+        # call into a library (faster in bf16, no slower in fp32)
         qg = q.reshape(rows, kv_heads, groups, 1, d).float()
         scores = (qg * k_buf[:, :, :span].unsqueeze(2).float()).sum(-1) * scaling  # [rows, kv, groups, span]
         weights = torch.softmax(scores.masked_fill(~mask.view(span), float("-inf")), dim=-1)
@@ -348,8 +346,7 @@ def _attention(
         return out.to(q.dtype).view(rows, heads, n, d)
     qg = q.reshape(rows, kv_heads, groups * n, d)  # head h reads kv head h // groups, as transformers repeats
     keys = k_buf[:, :, :span]  # a strided view: each row's slots lie a whole capacity apart
-    if q.dtype == torch.bfloat16:  # bf16 products read that view faster as K q^T: a beam step's draft forward
-        # of 8 rows 2.9 -> 2.3 ms, a one-token target forward 16.3 -> 15.6 ms (fp32 is faster as it was)
+    if q.dtype == torch.bfloat16:  # bf16 products read that view faster as K q^T (fp32 ones as q K^T)
         scores = torch.matmul(keys, qg.transpose(-1, -2)).transpose(-1, -2).float() * scaling
     else:
         scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scaling
@@ -362,8 +359,8 @@ FEW_QUERY_REDUCTIONS = 8
 """Up to this many queries a row (a verification of gamma + 1 tokens), compiled on a CPU in a dtype of
 :data:`REDUCED_QUERY_DTYPES`, attention's scores are one reduction a query (:func:`_few_query_attention`)."""
 REDUCED_QUERY_DTYPES = (torch.bfloat16,)
-"""bf16 only: in fp32 on AVX2 (emulated on a Zen 4) the reductions made a target call of SD and MTAD 6.5 %
-slower than the batched products at one thread (journal, 2026-11-27)."""
+"""bf16 only: in fp32 on AVX2 the reductions made SD's and MTAD's target calls slower than the batched
+products at one thread."""
 
 
 def _few_query_attention(
@@ -372,9 +369,8 @@ def _few_query_attention(
     """Attention of a few queries a row as reductions inductor generates, in fp32: each query's scores a
     reduction over the head dimension (inductor fuses them into one pass over the keys), the output a
     reduction over the keys. No call into a library, so no copy of the strided key and value views and
-    no hand-off to the thread pool: interleaved in decoding on a Zen 4, SD's and MTAD's bf16 target calls
-    (a five-token verification of SmolLM2) were 13.5-14.7 % faster than with two batched products at two
-    threads, 6.8-8.1 % at one (journal, 2026-11-27)."""
+    no hand-off to the thread pool: SD's and MTAD's bf16 target calls (a verification of a few tokens) run
+    faster than with two batched products, at one thread and more so at two."""
     rows, heads, n, d = q.shape
     kv_heads, span = k_buf.shape[1], mask.shape[-1]
     groups = heads // kv_heads
@@ -416,8 +412,8 @@ def cache_per_capability() -> str:
 
     Inductor's cache keys leave out a capability forced with ``ATEN_CPU_CAPABILITY`` (how an AVX2-only
     CPU is emulated on an AVX-512 one), and code cached under one capability, loaded under the other,
-    gave wrong logits or corrupted the heap (torch 2.13, fp32, both product layouts; the journal's
-    2026-11-26 entry). One folder per capability keeps the two apart."""
+    gave wrong logits or corrupted the heap (torch 2.13, fp32, both product layouts). One folder per
+    capability keeps the two apart."""
     leaf = f"cpu-{torch.backends.cpu.get_cpu_capability().lower()}"
     base = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
     if os.path.basename(os.path.normpath(base)) != leaf:
@@ -577,10 +573,10 @@ def forward_part(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Some of a forward's decoder layers (:func:`decoder_layers`) in one call, and in the first call the
     embedding and rotary tables, in the last the head (:func:`llama_forward` says where), so that none of it
-    is a call of its own: with ``start``, ``x`` is token ids [rows, n] and ``cos`` their positions [n], None for
-    ``slots`` (:func:`embed`); else ``x`` is hidden states and ``cos``, ``sin`` the tables. Returns the hidden states, or with ``end`` the logits of
-    the last ``keep`` positions (:func:`logits_of`), and the tables for the next call. SmolLM2's int8 draft took
-    1.47 ms a one-row bf16 forward with these outside its compiled call, 1.08 ms with them in it (one thread)."""
+    is a call of its own (a small draft's forward is short enough for each call's host work to show): with
+    ``start``, ``x`` is token ids [rows, n] and ``cos`` their positions [n], None for ``slots`` (:func:`embed`);
+    else ``x`` is hidden states and ``cos``, ``sin`` the tables. Returns the hidden states, or with ``end`` the
+    logits of the last ``keep`` positions (:func:`logits_of`), and the tables for the next call."""
     if start is not None:
         x, cos, sin = embed(x, slots if cos is None else cos, start)
     h = decoder_layers(x, cos, sin, mask, slots, keys, values, layers, head_dim, scaling, eps)
@@ -609,7 +605,7 @@ def hold_graph_limits() -> None:
 REALIZE_REUSED = {"realize_reads_threshold": 1}
 """Inductor's options for every compiled forward: keep a value that several kernels read in a buffer. By
 default inductor inlines a cheap one into each reader: in the ``gemv`` form a reduction over a matrix then
-recomputed the norm for every row of the matrix (a five-token output head 22 ms instead of 3), and one-query
+recomputed the norm for every row of the matrix (a five-token output head several times slower), and one-query
 attention recomputed the query's rotary embedding for every key it scores."""
 
 # The layers' weights are inputs, so one graph of a few layers serves every run of that many layers of every
@@ -627,9 +623,8 @@ compiled_gemv_layers = torch.compile(gemv_part, options=REALIZE_REUSED)
 
 MOST_LAYERS_PER_CALL = 6
 """The most decoder layers one compiled call runs. Each call costs host work (guards, the compiled
-wrapper's own code): one-token bf16 forwards of SmolLM2's 30 layers took 13.66 ms at one layer a call, 12.87 at two,
-12.60 at three, 12.39 at five, 12.25 at all thirty (one process, interleaved); a call of more layers takes longer to
-compile."""
+wrapper's own code), so fewer calls make a forward faster, though by less with each layer added to a call;
+a call of more layers takes longer to compile."""
 
 
 def layers_per_call(count: int) -> int:
@@ -663,7 +658,7 @@ def llama_forward(
     step = layers_per_call(len(layers))
     one_call = step == len(layers)
     # Each end in a call of its own graph: a model of several calls (SmolLM2's 30 layers) would compile three
-    # graphs a shape instead of one, which doubled the bench's warm-up (15 -> 31 s) for 0.1 ms a forward; there
+    # graphs a shape instead of one, which made the bench's warm-up far longer for next to nothing a forward; there
     # only the gemv form's head, which was a compiled call of its own anyway, joins the last call.
     start = start_of(model) if compiled and one_call else None
     end = end_of(model, layers, rows, keep) if compiled and (one_call or layers[0][1] == "gemv") else None

@@ -78,9 +78,8 @@ class Stream:
     """Turns a filling run into page updates: only lanes that changed, each drawn from its last
     iterations, and the plots only when a lane ends (or every ``plot_every`` seconds, when given).
 
-    Measured in headless Chromium on the 2-core test machine: re-sending whole lanes every tenth of a
-    second, and plotly redrawing thousand-bar charts every half second, blocked the browser for seconds at
-    a time, so a click on Stop took seconds to go out.
+    Re-sending whole lanes at every refresh, and plotly redrawing thousand-bar charts while a run filled,
+    blocked the browser, so a click on Stop was slow to go out.
     """
 
     def __init__(self, plot_every: float = math.inf) -> None:

@@ -31,7 +31,7 @@ LIVE_EVERY = 0.3  # seconds between live lane refreshes (a long run must not dro
 EMPTY_PROMPT = "the prompt is empty: type some text to continue"
 MAX_PROMPT_TOKENS_DEFAULT = 1024
 """Prompt tokens a visitor may send (``MTAD_MAX_PROMPT_TOKENS``; 0: no cap). Each lane reads the whole
-prompt before its first token; measured on the smollm2 pair, 2-core CPU, see docs/benchmarks.md."""
+prompt before its first token, so the cap bounds how long one visitor holds the device (docs/bench.md, (f))."""
 
 
 def max_prompt_tokens() -> int:
