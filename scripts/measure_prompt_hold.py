@@ -3,7 +3,7 @@
 ``python scripts/measure_prompt_hold.py`` on the smollm2 pair: an AR lane (target only) and an SD lane
 (draft and target) each read the whole prompt, then write one or two tokens; the seconds are the lane's.
 The page's default cap on prompt tokens (``MTAD_MAX_PROMPT_TOKENS``) was chosen from these figures
-(docs/journal/2026-11-24-prompt-hold.md; how to run it: docs/benchmarks.md, (f)).
+(docs/journal/2026-11-24-prompt-hold.md; how to run it: docs/bench.md, (f)).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ operators that cost the host most.
 ``python scripts/profile_iterations.py --pair smollm2 --device cuda`` decodes one chat prompt with each decoder
 three times: a warm-up (which compiles and captures the graphs), a timed run, and a run under
 ``torch.profiler``. On a GPU the launches outside graphs are what the host spends between forwards
-(docs/journal/2026-11-26-h100-grown-draft.md; how to run it: docs/gpu-checks.md, section 10). On a CPU there
+(docs/journal/2026-11-26-h100-grown-draft.md; how to run it: docs/dev/gpu-checks.md, section 10). On a CPU there
 are no launches and the table shows the host's operators.
 """
 

@@ -1,6 +1,6 @@
 """Out-of-memory recovery frees what the failed run held (mtad/ui/runner.py): on this CPU a target forward
 raises CUDA's OOM error midway through a real decode, and weak references show whether the KV caches and
-logits are gone by the time the cache is emptied (on a GPU: docs/gpu-checks.md)."""
+logits are gone by the time the cache is emptied (on a GPU: docs/dev/gpu-checks.md)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@
 #
 # Works on a scratch copy in ${MUTATION_DIR:-/tmp/mtad-mutation}/<module name>, so the checkout is
 # never touched; prints mutmut's per-mutant results and the score. Needs `pip install mutmut`
-# (3.x); one thread, one child, because the tests are CPU-bound. See docs/mutation.md.
+# (3.x); one thread, one child, because the tests are CPU-bound. See docs/dev/mutation.md.
 set -euo pipefail
 
 if [ $# -lt 2 ]; then
