@@ -16,7 +16,7 @@ sync_api = pytest.importorskip("playwright.sync_api")
 gradio_client = pytest.importorskip("gradio_client")
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 if not Path(CHROMIUM).exists():
-    pytest.skip("Debian's chromium is not installed", allow_module_level=True)
+    pytest.skip("needs Debian's chromium for the browser tests (apt-get install chromium)", allow_module_level=True)
 
 from test_app_client import app_env, endless_decode, launch_app  # noqa: E402  (one launch per test session, shared)
 
