@@ -21,6 +21,7 @@ from mtad.energy import EnergyMeter
 from mtad.flags import add_pair_args, add_sampling_args, add_tuning_args, load_pair_from_args, sampling_settings
 from mtad.models.pair import ModelPair
 from mtad.models.presets import default_pair_name, presets
+from mtad.models.static_llama import uncompiled_shapes
 from mtad.prompts import Prompt, read_prompts
 from mtad.settings import Settings
 
@@ -245,6 +246,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if result.interrupted:
         table += f"\ninterrupted: {len(result.records)} runs measured, the table is partial"
     print(table)
+    if pair.engine == "compiled" and uncompiled_shapes():
+        print(f"warning: these forwards ran uncompiled (slower): {'; '.join(uncompiled_shapes())}", file=sys.stderr)
     if out is not None:
         env = environment(pair, argv, meter.reason, meter.source, commit)
         env["compile_seconds"] = compile_seconds

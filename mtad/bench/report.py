@@ -27,6 +27,7 @@ from mtad.metrics import LOOP_REPETITION, REPEAT_N
 from mtad.models import devices
 from mtad.models.devices import capped_isa, device_model
 from mtad.models.pair import ModelPair
+from mtad.models.static_llama import uncompiled_shapes
 
 
 def fmt(value: float | None, digits: int | None = None) -> str:
@@ -194,6 +195,8 @@ def environment(
         "dtype": str(pair.dtype).replace("torch.", ""),
         "linear_kernels": dict(pair.kernels),
         "engine": pair.engine,
+        # forward shapes dynamo declined to compile (past its graph limits, or a failed compile): they ran slower
+        "uncompiled_shapes": uncompiled_shapes(),
         "compiled_products": products(pair),
         "bookkeeping": "compiled" if fused_enabled(pair) else "as written",  # mtad.decoding.fused
         "cpu_flags": cpu_flags() if dev.type == "cpu" else None,

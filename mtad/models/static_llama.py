@@ -590,6 +590,24 @@ row count and token count (a second pair in the process, the page's, adds its ow
 below 1 or not, and a first and a dynamic shape. Past it dynamo runs the function uncompiled, silently."""
 
 
+UNCOMPILED: dict[str, str] = {}
+"""Each forward shape dynamo declined to compile in this process (past a graph limit, or a failed compile),
+described for a reader (``"SmolLM2 target, 1 row, 5 tokens (gemv form)"``), and why: the status line and the
+bench's environment record name them. Empty when every forward ran compiled."""
+
+
+def frames_declined() -> int:
+    """Frames dynamo was asked to compile and did not (``counters["frames"]``: total less ok): it runs them
+    uncompiled from then on."""
+    frames = torch._dynamo.utils.counters["frames"]
+    return frames["total"] - frames["ok"]
+
+
+def uncompiled_shapes() -> list[str]:
+    """:data:`UNCOMPILED`'s shapes with their reasons, for a reader."""
+    return [f"{shape} ({why})" for shape, why in UNCOMPILED.items()]
+
+
 def hold_graph_limits() -> None:
     """Raise dynamo's graph limits to :data:`RECOMPILE_LIMIT` in the calling thread. Dynamo's settings are
     per thread and context (each a ``ContextVar``), so a value set once at import holds only where it was set:
@@ -687,9 +705,15 @@ def llama_forward(
         h = decoder_layers(h, cos, sin, mask, slots, keys, values, layers, attn.head_dim, attn.scaling, eps)
         return head(model)(inner.norm(h[:, -keep:]))
     run = compiled_gemv_layers if layers[0][1] == "gemv" else compiled_layers
+    declined = frames_declined()
     for i in range(0, len(layers), step):
         part = slice(i, i + step)
         first, last = start if i == 0 else None, end if i + step == len(layers) else None
         args = (h, cos, sin, mask, slots, keys[part], values[part], layers[part], attn.head_dim, attn.scaling, eps)
         h, cos, sin = run(*args, first, last, keep)
+    if frames_declined() > declined:  # dynamo gave up on this shape: it runs uncompiled, and the page says so
+        name = type(model).__name__.removesuffix("ForCausalLM")
+        UNCOMPILED[f"{name}, {rows} row{'s' if rows > 1 else ''}, {ids.shape[1]} tokens ({layers[0][1]} form)"] = (
+            f"past dynamo's limit of {torch._dynamo.config.recompile_limit} graphs, or a failed compile"
+        )
     return h if end is not None else head(model)(inner.norm(h[:, -keep:]))
