@@ -13,7 +13,7 @@ from pathlib import Path
 import gradio as gr
 
 from mtad.settings import PARAMS
-from mtad.ui import availability, fastest, form, line, link, outputs, panel, pickers, replay
+from mtad.ui import availability, fastest, form, line, link, opening, outputs, panel, pickers, replay
 from mtad.ui import race as race_view
 from mtad.ui import run as runs
 from mtad.ui.explain import EXPLAIN, INTRO
@@ -38,7 +38,8 @@ def build() -> gr.Blocks:
     default_pair = pickers.default_pair()
     first_examples = pickers.pair_examples(default_pair)
     first_prompt = first_examples[0][1] if first_examples else ""
-    private = {"queue": False, "api_visibility": "private"}
+    # no Gradio timer flashing in the message box or the status line: every event says its own progress
+    private = {"queue": False, "api_visibility": "private", "show_progress": "hidden"}
     with gr.Blocks(title="MTAD vs speculative decoding") as demo:
         record = gr.State(None)
         wanted = gr.State(None)  # a link's lane and iteration, opened after the next run
@@ -82,7 +83,10 @@ def build() -> gr.Blocks:
                 with gr.Row():
                     gamma = setting("gamma", "gamma")
                     max_new = number(DEFAULTS.max_new_tokens, "max new tokens", MAX_NEW_RANGE, "max-new")
-                fastest_btn = gr.Button("Fastest γ and W on this device", size="sm", elem_id="fastest-btn")
+                with gr.Row():
+                    fastest_btn = gr.Button("Fastest γ and W on this device", size="sm", elem_id="fastest-btn")
+                    paper_btn = gr.Button("The paper's γ and W", size="sm", elem_id="paper-btn")
+                defaults_note = gr.Markdown(opening.defaults_note(default_pair, None), elem_id="defaults-note")
                 with gr.Accordion("Other decoders (Spectr, SpecInfer, BiLD)", open=False):
                     num_drafts = setting("num_drafts", "num-drafts")
                     with gr.Row():
@@ -99,7 +103,8 @@ def build() -> gr.Blocks:
         status = gr.Markdown(
             "Nothing run yet: pick or type a prompt and press **Run**.", label="status", elem_id="status"
         )
-        race = gr.HTML(race_view.recorded_race_html(), label="race", elem_id="race")
+        race = gr.HTML(race_view.recorded_race_html(pickers.server_device()), label="race", elem_id="race")
+        opening_timer = gr.Timer(2.0, active=True)  # the status line while the pair loads at start-up
         gr.HTML(legend_html())
         reply = "reply only (hide the prompt and rejected drafts)"
         with gr.Row(equal_height=True):
@@ -157,12 +162,14 @@ def build() -> gr.Blocks:
             tau2=tau2,
         )
         demo.load(link.from_query, pair, [*run_form.values(), wanted, message], **private)
+        demo.load(opening.on_load, pair, [gamma, beams, defaults_note, status, race], **private)
+        opening_timer.tick(opening.on_refresh, pair, [status, opening_timer], **private)
+        paper_btn.click(opening.back_to_paper, pair, [gamma, beams, defaults_note], **private)
         pair.change(pickers.on_pair_change, [pair, prompt], [pair_info, examples, prompt], **private)
         examples.input(pickers.on_example, examples, prompt, **private)
         with_ar.change(runs.toggle_ar, with_ar, ar_box, **private)
         waiting_outputs = [message, status, lane_1, lane_2, lane_ar, timer]
-        quiet = {**private, "show_progress": "hidden"}  # no Gradio timer flashing in the message area
-        timer.tick(line.waiting_tick, [left, right], waiting_outputs, **quiet)
+        timer.tick(line.waiting_tick, [left, right], waiting_outputs, **private)
         for picker in (left, right):
             picker.change(line.on_race_change, [record, left, right], [lane_1, lane_2], **private)
         lanes = [lane_1, lane_2, lane_ar]
@@ -170,16 +177,17 @@ def build() -> gr.Blocks:
         run_outputs += [record, run_json]
         run_opts = dict(concurrency_limit=1, concurrency_id="device", show_progress="hidden")
         run_opts["preprocess"] = False  # the handler checks every value itself, naming the field; nothing clamped
-        go = run_btn.click(line.arm, [left, right], waiting_outputs, **quiet)
+        go = run_btn.click(line.arm, [left, right], waiting_outputs, **private)
         go = go.then(runs.run_page, None, run_outputs, inputs_kwargs=run_form, api_visibility="private", **run_opts)
         reset_outputs = [v_lane, v_iter, v_tau, v_html, v_plot, wanted]
         shown = go.then(panel.verify_reset, [record, v_lane, wanted], reset_outputs, **private)
         shown.then(link.link_html, [record, v_lane, v_iter], v_link, **private)
         go.then(runs.race_after_run, record, race, **private)
-        stop_btn.click(line.stop, [left, right], waiting_outputs, **quiet)
+        stop_btn.click(line.stop, [left, right], waiting_outputs, **private)
         sampling = [pair, tau, greedy, temperature, top_k, top_p]
         fastest_opts = dict(concurrency_limit=1, concurrency_id="device", api_visibility="private")
-        fastest_btn.click(fastest.fastest_page, sampling, [gamma, beams, message], **fastest_opts)
+        fastest_outputs = [gamma, beams, message, defaults_note]
+        fastest_btn.click(fastest.fastest_page, sampling, fastest_outputs, **fastest_opts, show_progress="hidden")
         replay_outputs = [message, status, *lanes, cards, tokens_plot, accept_plot]
         replay_btn.click(replay.replay_page, record, replay_outputs, api_visibility="private", show_progress="hidden")
         # the public API: the same work, ending in an error (with the page's words) when refused
@@ -224,9 +232,9 @@ demo = build()
 
 def main(**launch_kwargs: object) -> None:
     """Serve the page (tests pass ``prevent_thread_lock=True`` and a port); on the compiled engine the
-    default pair loads and compiles in the background meanwhile."""
+    default pair loads and compiles in the background meanwhile, then its candidates are timed once."""
     if runs.compiled_engine():
-        PAGE.pairs.preload(pickers.default_pair_name())
+        opening.start(pickers.default_pair_name())
     demo.launch(css=CSS, theme=THEME, **launch_kwargs)
 
 

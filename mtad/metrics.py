@@ -46,6 +46,7 @@ class Metrics:
     repetition: float | None = None
     later_target_seconds: float = 0.0
     later_target_calls: int = 0
+    undrafted_iterations: int = 0  # iterations that drafted nothing (BiLD's fallbacks, a budget's last token)
 
     @property
     def loops(self) -> bool:
@@ -107,6 +108,7 @@ def summarize(steps: Sequence[Step], joules: float | None = None, energy_note: s
         ngrams=ngrams,
         repeated_ngrams=repeated,
         repetition=repeated / ngrams if ngrams else None,
+        undrafted_iterations=sum(1 for s in steps if not s.draft_ids),
     )
 
 
@@ -125,6 +127,24 @@ def position_counts(steps: Sequence[Step]) -> tuple[list[int], list[int]]:
             reached[i] += 1
             kept[i] += i < s.accepted
     return reached, kept
+
+
+def excluded_by_position(steps: Sequence[Step]) -> tuple[list[int], list[int]]:
+    """Per draft position (0-based), over a run's steps: how many iterations drafted a token there after tokens
+    the warped target allows (``reached``), and how many of those tokens it gives probability 0 (``excluded``,
+    a joint log p turning −∞): the draft's disagreement with the target's top-k / top-p, which no τ accepts."""
+    reached: list[int] = []
+    excluded: list[int] = []
+    for step in steps:
+        for i, joint in enumerate(step.log_p):
+            if i == len(reached):
+                reached.append(0)
+                excluded.append(0)
+            reached[i] += 1
+            if not math.isfinite(joint):
+                excluded[i] += 1
+                break
+    return reached, excluded
 
 
 def acceptance_by_position(reached: Sequence[int], kept: Sequence[int]) -> list[float | None]:

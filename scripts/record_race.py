@@ -8,22 +8,18 @@ writes each lane's clock and token counts, with the device it ran on, to ``asset
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
 import threading
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from mtad.decoding import encode_prompt  # noqa: E402
-from mtad.models.devices import device_model  # noqa: E402
 from mtad.models.presets import presets  # noqa: E402
 from mtad.ui.inputs import DEFAULTS, example_prompts  # noqa: E402
-from mtad.ui.race import RACE_FILE, curves_of  # noqa: E402
+from mtad.ui.race import RACE_FILE, race_record  # noqa: E402
 from mtad.ui.record import LaneRecord, RunRecord  # noqa: E402
 from mtad.ui.runner import run_lanes  # noqa: E402
 from mtad.ui.state import PAGE  # noqa: E402
@@ -43,22 +39,7 @@ def main() -> None:
     record.lanes = {m: LaneRecord(method=m, prompt_ids=ids) for m in methods}
     for _ in run_lanes(pair, record, settings, threading.Event()):
         pass
-    threads = torch.get_num_threads()
-    device = (
-        torch.cuda.get_device_name(pair.device)
-        if pair.device.type == "cuda"
-        else f"{device_model(torch.device('cpu'))}, {threads} thread{'s' if threads != 1 else ''}"
-    )
-    data = {
-        "pair": args.pair,
-        "device": device,
-        "dtype": str(pair.dtype).removeprefix("torch."),
-        "engine": pair.engine,
-        "recorded": datetime.date.today().isoformat(),
-        "prompt": prompt,
-        "settings": {k: settings.to_dict()[k] for k in ("tau", "beams", "gamma", "max_new_tokens", "greedy", "seed")},
-        "lanes": curves_of(list(record.lanes.values())),
-    }
+    data = race_record(record, pair)
     args.out.write_text(json.dumps(data, indent=1) + "\n")
     for lane in data["lanes"]:
         print(f"{lane['label']}: {lane['tokens'][-1]} tokens in {lane['seconds'][-1]:.2f} s")

@@ -484,7 +484,8 @@ def test_first_visit_shows_a_recorded_race_and_the_ar_lane(page):
         "() => { const s = getComputedStyle(document.querySelector('#race .race-bar'));"
         " return [s.animationName, s.animationDuration, s.animationTimingFunction]; }"
     )
-    assert bar[0] == "mtad-race" and bar[1].endswith("s") and bar[2].startswith("linear(")  # it plays by itself
+    assert bar[0] == "mtad-race, mtad-rest" and bar[1].endswith("s") and bar[2].startswith("linear(")  # plays itself
+    assert "This server decodes on CPU" in race.inner_text()  # the recorded device, contrasted with this one
     for lane in recorded["lanes"]:
         if lane["times_ar"] is not None:
             assert f"{lane['times_ar']:.2f}× AR" in race.inner_text()
@@ -655,7 +656,9 @@ def test_a_looping_lane_s_card_warns_next_to_its_perplexity(page, monkeypatch):
 
 def test_fastest_button_sets_gamma_and_beams_it_names(page):
     page.locator("#fastest-btn").click()
-    page.wait_for_selector("#message .mtad-message-info", timeout=120_000)
+    page.wait_for_function(
+        "document.querySelector('#message').innerText.includes('Fastest on this device')", timeout=120_000
+    )
     text = page.locator("#message").inner_text()
     chosen = re.search(r"MTAD with γ (\d+) and W (\d+) \(([\d.]+)× AR\)", text)
     assert chosen, text
@@ -665,4 +668,46 @@ def test_fastest_button_sets_gamma_and_beams_it_names(page):
         timeout=10_000,
     )
     page.locator("#message").scroll_into_view_if_needed()
+    assert "this device's fastest" in page.locator("#defaults-note").inner_text()
     page.screenshot(path=OUT / "fastest.png")
+    page.locator("#paper-btn").click()  # one click back to the paper's settings
+    page.wait_for_function(
+        "document.querySelector('#gamma input').value === '4' && document.querySelector('#beams input').value === '8'",
+        timeout=10_000,
+    )
+    assert "the paper's settings" in page.locator("#defaults-note").inner_text()
+
+
+def test_after_a_run_the_race_rests_on_its_winner_and_the_panel_names_the_target_s_token(page):
+    """At rest the race's bars are as long as each lane's speed against the fastest (one full bar, marked);
+    the status says "Running on" while the run goes and "Ran on" after; the panel's verdict names the token
+    the target wrote after the accepted drafts, marked as the lanes mark it."""
+    set_number(page, "max-new", 24)
+    page.locator("#prompt textarea").fill("abc bad cab")
+    page.locator("#run-btn").click()
+    page.wait_for_function("document.querySelector('#status').innerText.includes('Running on')", timeout=120_000)
+    for lane in ("left", "right", "ar"):
+        page.wait_for_selector(DONE.format(lane), timeout=120_000)
+    page.wait_for_function("document.querySelector('#status').innerText.includes('Ran on')", timeout=60_000)
+    assert "Running on" not in page.locator("#status").inner_text()
+    page.wait_for_selector("#race .race-winner", timeout=30_000)
+    page.wait_for_timeout(16_000)  # the race plays (at most 15 s), then comes to rest
+    widths = page.evaluate(
+        "() => [...document.querySelectorAll('#race .race-row')].map(r => [r.dataset.method,"
+        " r.querySelector('.race-bar').getBoundingClientRect().width,"
+        " r.querySelector('.race-track').getBoundingClientRect().width, r.classList.contains('race-winner')])"
+    )
+    winner = [w for w in widths if w[3]]
+    assert len(winner) == 1 and winner[0][1] == pytest.approx(winner[0][2], abs=2), widths
+    assert all(bar < track - 2 for _, bar, track, won in widths if not won), widths  # the others rest shorter
+    assert page.locator("#race .race-won").is_visible()
+    page.locator("#race").scroll_into_view_if_needed()
+    page.screenshot(path=str(OUT / "race_at_rest.png"))
+    page.wait_for_selector("#v-panel .v-target-token", timeout=30_000)
+    token = page.locator("#v-panel .v-verdict .v-target-token").first
+    assert token.is_visible() and token.inner_text() != ""
+    colour = token.evaluate("e => getComputedStyle(e).backgroundColor")
+    lane_colour = page.locator(".tok-tgt").first.evaluate("e => getComputedStyle(e).backgroundColor")
+    assert colour == lane_colour, (colour, lane_colour)  # marked as the lanes mark the target's tokens
+    page.locator("#v-panel").scroll_into_view_if_needed()
+    page.screenshot(path=str(OUT / "panel_target_token.png"))

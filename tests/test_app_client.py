@@ -382,8 +382,13 @@ def test_fastest_sets_mtads_gamma_and_beams_or_says_why_not(app_server, monkeypa
 
     from mtad.tuning.table import BEAMS, GAMMAS
     from mtad.ui import fastest
-    from mtad.ui.fastest import fastest_page
+    from mtad.ui.fastest import fastest_page as streamed
     from mtad.ui.state import PAGE
+
+    def fastest_page(*form):  # the button's last update; those before it say what is being timed
+        *timing, last = list(streamed(*form))
+        assert all("Timing this device" in m and g == w == n == gr.skip() for g, w, m, n in timing), timing
+        return last[:3]
 
     with app_env():
         gamma, beams, message = fastest_page(PAIR, 0.1, False, 1.0, 20, 0.9)
@@ -412,3 +417,16 @@ def test_fastest_sets_mtads_gamma_and_beams_or_says_why_not(app_server, monkeypa
         monkeypatch.setattr(fastest, "fastest", lambda *a, **k: 1 / 0)  # whatever the timing raises
         gamma, beams, message = fastest_page(PAIR, 0.1, False, 1.0, 20, 0.9)
         assert gamma == gr.skip() and "No fastest settings: timing failed (ZeroDivisionError)" in message
+
+
+def test_the_fastest_button_says_what_it_is_timing(tiny_pair):
+    from mtad.ui.fastest import Timing
+
+    timing = Timing(tiny_pair, Settings())
+    assert "Timing this device's candidates" in timing.progress_text()
+    timing.hear(4, 16, Settings(method="mtad", gamma=3, beams=4))
+    assert timing.progress_text().endswith(": MTAD γ 3, W 4: 5 of 16…")
+    timing.hear(0, 16, Settings(method="ar"))
+    assert timing.progress_text().endswith(": AR: 1 of 16…")
+    timing.hear(15, 16, Settings(method="sd", gamma=2))
+    assert timing.progress_text().endswith(": SD γ 2: 16 of 16…")

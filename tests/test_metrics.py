@@ -11,7 +11,7 @@ import torch
 
 from mtad.decoding import generate
 from mtad.events import Step
-from mtad.metrics import Metrics, perplexity, pool, summarize
+from mtad.metrics import Metrics, excluded_by_position, perplexity, pool, summarize
 from mtad.models.pair import ModelPair
 from mtad.settings import Settings
 
@@ -176,6 +176,19 @@ def test_a_record_without_repetition_fields_still_loads():
     for k in ("ngrams", "repeated_ngrams", "repetition"):
         d.pop(k)
     assert Metrics.from_dict(d).repetition is None
+
+
+def test_excluded_by_position_counts_tokens_the_warped_target_gives_zero_after_allowed_ones():
+    inf = math.inf
+    steps = [
+        Step(0, "mtad", draft_ids=[1, 2, 3], log_p=[-0.1, -0.5, -1.0]),  # every token allowed
+        Step(1, "sd", draft_ids=[1, 2, 3], log_p=[-inf, -inf, -inf]),  # the first token already excluded
+        Step(2, "mtad", draft_ids=[1, 2], log_p=[-0.2, -inf]),  # the second excluded
+        Step(3, "ar"),  # drafted nothing
+    ]
+    reached, excluded = excluded_by_position(steps)
+    assert reached == [3, 2, 1] and excluded == [1, 1, 0]  # after an excluded token nothing is reached
+    assert excluded_by_position([]) == ([], [])
 
 
 def test_acceptance_by_position_counts_each_draft_position_reached():

@@ -15,7 +15,7 @@ from mtad.decoding import decode
 from mtad.metrics import summarize
 from mtad.prompts import Prompt, read_prompts
 from mtad.settings import Settings
-from mtad.tuning import AcceptanceTable, Candidate, candidates, fastest, predict, warp_of
+from mtad.tuning import AcceptanceTable, Candidate, candidates, fastest, known_fastest, predict, warp_of
 from mtad.tuning.choose import Tuning
 from mtad.tuning.cli import main as tuning_main
 from mtad.tuning.table import GAMMAS, Row, measure, shipped_table, table_path
@@ -134,6 +134,23 @@ def test_fastest_times_here_and_keeps_the_seconds_on_disk(tiny_pair, tiny_table,
     assert timed == [21, 5, 21]
     files = list((tmp_path / "tuning").glob("*.json"))
     assert len(files) == 1 and json.loads(files[0].read_text())["key"]["threads"] >= 1
+
+
+def test_what_was_timed_before_is_known_without_timing_and_each_timing_is_announced(
+    tiny_pair, tiny_table, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("MTAD_CACHE", str(tmp_path))
+    assert known_fastest(tiny_pair, Settings(), table=tiny_table) is None  # nothing timed here yet
+    told = []
+    ids = tiny_pair.encode("abc de", raw=True)
+    timed = fastest(tiny_pair, Settings(), ids, table=tiny_table, progress=lambda *a: told.append(a))
+    runs = len(candidates()) + 1
+    assert [(done, total) for done, total, _ in told] == [(i, 4 * runs) for i in range(4 * runs)]  # 3 rounds + 1
+    assert told[0][2].method == "ar" and {s.method for _, _, s in told} == {"ar", "sd", "mtad"}
+    known = known_fastest(tiny_pair, Settings(), table=tiny_table)
+    assert known is not None and known.from_disk and known.predictions == timed.predictions
+    assert known_fastest(tiny_pair, Settings(top_k=10), table=tiny_table) is None  # a warp the table lacks
+    assert known_fastest(tiny_pair, Settings(greedy=True, tau=1.0), table=tiny_table) is None  # never timed
 
 
 def test_a_warp_the_table_lacks_is_refused_by_name(tiny_pair, tiny_table):

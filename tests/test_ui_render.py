@@ -104,6 +104,23 @@ def test_lane_html_upto_replays_a_prefix_and_marks_eos():
     assert tokens.lane_html(None, "").count("Press Run") == 1
 
 
+def test_a_card_s_acceptance_says_in_how_many_iterations_the_lane_drafted():
+    """BiLD falling back most of the time: 100 % of its few drafted tokens kept must not read as every
+    iteration's; the card says in how many iterations it drafted at all."""
+    drafted = sd_step(0)
+    drafted.method, drafted.accepted = "bild", 3
+    fallback = [
+        Step(i, "bild", appended_ids=[2], from_target=[True], target_logprobs=[-1.0], target_calls=1)
+        for i in range(1, 5)
+    ]
+    lane = lane_of("bild", [drafted, *fallback])
+    m = lane.metrics()
+    assert m.acceptance == 1.0 and m.undrafted_iterations == 4 and m.iterations == 5
+    html = cards.cards_html([lane])
+    assert ">100.0% (drafted in 1 of 5 iterations)</div>" in html
+    assert "(drafted in" not in cards.cards_html([lane_of("sd", [sd_step(0), sd_step(1)])])  # drafted in each
+
+
 def test_cards_show_summarize_numbers_and_energy_na():
     lane = lane_of("mtad", [mtad_step(0), mtad_step(1)])
     m = summarize(lane.steps)
@@ -498,9 +515,13 @@ def test_the_race_plays_each_lane_s_own_curve_on_one_time_axis():
     html = race.run_race_html([sd, ar], "CPU (1 thread)")
     assert "This run&#x27;s race on one time axis (CPU (1 thread)):" in html
     # the race lasts 0.05 s (AR's end); SD's bar: half its tokens at 40 %, all at 80 %, and 4/20 as long as AR's
+    # while it grows, then at rest as long as its speed against the fastest's (AR's): 100 against 400 tokens/s
     sd_row = html.split('data-method="sd"')[1].split('data-method="ar"')[0]
-    assert "linear(0 0%, 0.5000 40.000%, 1.0000 80.000%, 1 100%)" in sd_row and "width: 20.0%" in sd_row
-    assert "4 tokens in 0.04 s · 0.25× AR" in sd_row  # 100 tokens/s against AR 400
+    assert "linear(0 0%, 0.5000 40.000%, 1.0000 80.000%, 1 100%)" in sd_row
+    assert "--grown: 20.0%; --rest: 25.0%" in sd_row
+    assert "4 tokens in 0.04 s (100.0 tok/s) · 0.25× AR · 25% of the fastest" in sd_row
+    ar_row = html.split('data-method="ar"')[1]
+    assert "--rest: 100.0%" in ar_row and "race-won" in ar_row and "race-won" not in sd_row
     assert "× AR" not in html.split('data-method="ar"')[1]
     assert "true time;" in html  # shorter than 15 s: played at its own speed
     slow = looping_lane("ar", seconds=6.0)  # 30 s: played at twice the speed
@@ -523,9 +544,10 @@ def test_the_recorded_race_names_its_device_pair_and_settings():
     from mtad.ui import race
 
     data = race.recorded_race()
-    html = race.recorded_race_html()
+    html = race.recorded_race_html("CPU (2 threads), no GPU")
     assert data["device"] and f"pair {data['pair']} on {data['device']}" in html
-    assert [c["method"] for c in data["lanes"]] == ["sd", "mtad", "ar"] and html.count('class="race-row"') == 3
+    assert "This server decodes on CPU (2 threads), no GPU: its own speeds differ" in html
+    assert [c["method"] for c in data["lanes"]] == ["sd", "mtad", "ar"] and html.count('class="race-row') == 3
     assert race.RACE_FILE.stat().st_size < 20_000  # small enough to ship
 
 

@@ -50,6 +50,15 @@ class Tables(HTMLParser):
         if self._cell is not None:
             self._cell[1] += data
 
+    @staticmethod
+    def text_of(fragment: str) -> str:
+        """The text a reader sees in an HTML fragment."""
+        out: list[str] = []
+        parser = HTMLParser()
+        parser.handle_data = out.append
+        parser.feed(fragment)
+        return "".join(out)
+
 
 def texts(row: tuple) -> list[str]:
     return [cell[1] for cell in row[1]]
@@ -177,8 +186,9 @@ def test_mtad_verdict_names_the_passing_prefixes_and_what_the_run_kept():
     assert verdict(html) == [
         f"At τ = 0.100 (log τ = {LOG_TENTH}) the passing prefixes are: 1, 2, 4. MTAD keeps the longest passing "
         "prefix, so it accepts 4 of 4 draft tokens, then takes one token from the target at position 5.",
-        "The run used τ = 0.100 and accepted 4.",
+        f"The run used τ = 0.100: it accepted 4, then the target wrote {target_text(lane)}.",
     ]
+    assert html.count("v-target-token") == 1
     strict = verdict(verify.verify_html(lane, 0, 0.5, 0.1))
     assert strict[0].startswith("At τ = 0.500 (log τ = -0.693) the passing prefixes are: 1, 2.")
     assert "accepts 2 of 4 draft tokens, then takes one token from the target at position 3." in strict[0]
@@ -197,7 +207,7 @@ def test_sd_verdict_explains_the_uniform_rule_and_the_resample():
     # SD's joint diffs 0.1, -2.5, -2.5: at τ 0.1 only prefix 1 passes
     assert verdict(html) == [
         "SD accepts x_i when u_i < p_i/q_i and stops at the first rejection: it accepted 1 of 3, then added a "
-        "token resampled from norm(max(0, p − q)). This is what keeps SD's output distributed exactly like "
+        "token resampled from norm(max(0, p − q)) b. This is what keeps SD's output distributed exactly like "
         "the target's; τ plays no part.",
         f"For comparison, MTAD's joint rule at τ = 0.100 (log τ = {LOG_TENTH}) would accept 1 of this draft.",
     ]
@@ -210,7 +220,7 @@ def test_greedy_sd_verdict_speaks_of_the_argmax_and_the_bonus_token():
     html = verify.verify_html(lane_of("sd", [step]), 0, 0.1, 0.1, FakeTokenizer())
     assert verdict(html)[0].startswith(
         "greedy SD accepts while each draft token is also the target's argmax: it accepted 3 of 3, then added "
-        "a bonus token from the target."
+        "a bonus token from the target b."
     )
 
 
@@ -221,10 +231,34 @@ def test_other_decoders_verdict_states_their_rule_and_mtad_s_for_comparison(meth
     html = verify.verify_html(lane_of(method, [step]), 0, 0.1, 0.1, FakeTokenizer())
     followed = "" if method == "bild" else " of the followed candidate"  # BiLD drafts one sequence
     assert verdict(html) == [
-        f"{verify.RULES[method]}. It kept 1 of 3 draft tokens{followed}, then added the target's token.",
+        f"{verify.RULES[method]}. It kept 1 of 3 draft tokens{followed}, then added the target's token b.",
         f"For comparison, MTAD's joint rule at τ = 0.100 (log τ = {LOG_TENTH}) would accept 1 of this draft.",
     ]
     assert Tables(html).tables[-1][0][1][-1][1] == "verdict"  # the per-token table, as for SD
+
+
+def target_text(lane) -> str:
+    """The target's own token of the lane's first iteration, as the panel's verdict names it."""
+    return Tables.text_of(verify.target_token_html(lane, lane.steps[0], FakeTokenizer()))
+
+
+@pytest.mark.parametrize("method", ["sd", "mtad", "spectr", "specinfer", "bild"])
+def test_the_verdict_names_the_token_the_target_wrote_after_the_accepted_drafts(method: str):
+    """For each decoder the panel names the target's own token (bonus, recovered or fallback): the appended
+    token the target wrote, decoded after the accepted drafts, not a draft token and not the next iteration's."""
+    step = mtad_step(0) if method == "mtad" else walk_step(method) if method in ("spectr", "specinfer") else sd_step(0)
+    step.method = method
+    step.appended_ids = [*step.appended_ids[: step.accepted], 1]  # the target wrote id 1 ("a") after the accepted ones
+    step.from_target = [False] * step.accepted + [True]
+    lane = lane_of(method, [step, sd_step(1)])
+    html = verify.verify_html(lane, 0, 0.1, 0.1, FakeTokenizer())
+    named = [line for line in verdict(html) if "target" in line and f" {FakeTokenizer().decode([1])}." in line]
+    assert len(named) == 1 and html.count('class="vtok v-target-token"') == 1, verdict(html)
+    written = verify.target_token_html(lane, step, FakeTokenizer())
+    assert f">{FakeTokenizer().decode([1])}<" in written
+    stopped = sd_step(0)
+    stopped.from_target = [False] * len(stopped.appended_ids)  # a stopped text: the target wrote nothing
+    assert verify.target_token_html(lane_of("sd", [stopped]), stopped, FakeTokenizer()) == ""
 
 
 # --- head, beams, candidates -----------------------------------------------------------------
@@ -634,6 +668,15 @@ def test_walk_figure_draws_each_try_s_acceptance_against_its_draw():
     assert list(inf.data[0].y) == pytest.approx([1.0, 0.25, 0.25]) and "SD" not in inf.layout.title.text
 
 
+def test_a_rejected_try_the_target_gives_p_zero_keeps_a_visible_bar():
+    step = walk_step("spectr")
+    step.walk[1]["p"] = [0.0, 0.05]  # the first try at position 2 is outside the warped target
+    bars = verify.verify_figure(lane_of("spectr", [step]), 0, 0.1).data[0]
+    assert list(bars.x) == ["1.1", "2.1", "2.2"] and bars.y[1] == verify.ZERO_STUB > 0
+    assert bars.text[1] == "0 (p = 0)" and list(bars.marker.pattern.shape) == ["", "/", ""]
+    assert list(bars.marker.color) == [PASS, FAIL, FAIL] and bars.y[2] == pytest.approx(0.2)
+
+
 def test_bild_figure_draws_each_nll_against_tau2():
     fig = verify.verify_figure(lane_of("bild", [bild_step([0.9, 0.7, 0.65])]), 0, 0.1, {"tau1": 0.6, "tau2": 2.0})
     assert list(fig.data[0].y) == pytest.approx([0.1, 2.9, 0.5])
@@ -662,6 +705,12 @@ def test_the_panel_counts_the_lane_s_iterations_with_every_prefix_at_minus_infin
     html = verify.verify_html(lane, 0, 0.1, 0.1, FakeTokenizer())
     assert "In this lane 1 of 3 drafting iterations had <b>every</b> prefix at −∞" in html
     assert "every</b> prefix at −∞" not in verify.verify_html(lane_of("mtad", [mtad_step(0)]), 0, 0.1, 0.1)
+    # per position, among the iterations that reached it with every earlier token allowed
+    assert (
+        "<b>The draft's disagreement</b>: the warped target excluded the draft's token at position 1 in 1 of 3 "
+        "(33%), at position 2 in 1 of 2 (50%) of the iterations that reached that position." in html
+    )
+    assert "disagreement" not in verify.verify_html(lane_of("mtad", [mtad_step(0)]), 0, 0.1, 0.1)
 
 
 def test_bild_shows_a_rounding_above_log_one_as_zero_nll_not_minus_zero():

@@ -7,7 +7,7 @@ speed of a candidate is its block efficiency over its iteration's seconds, again
 (:mod:`.choose`).
 """
 
-from mtad.tuning.choose import Prediction, fastest, predict, tuned
+from mtad.tuning.choose import Prediction, fastest, known_fastest, predict, tuned
 from mtad.tuning.table import METHODS, AcceptanceTable, Candidate, candidates, warp_of
 from mtad.tuning.timing import TIMING_PROMPT
 
@@ -19,6 +19,7 @@ __all__ = [
     "Prediction",
     "candidates",
     "fastest",
+    "known_fastest",
     "warp_of",
     "predict",
     "tuned",

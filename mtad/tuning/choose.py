@@ -10,7 +10,7 @@ from mtad.decoding import encode_prompt
 from mtad.models.pair import ModelPair
 from mtad.settings import Settings
 from mtad.tuning.table import GAMMAS, METHODS, AcceptanceTable, Candidate, Row, describe_warp, shipped_table, warp_of
-from mtad.tuning.timing import TIMING_PROMPT, cached_iteration_seconds
+from mtad.tuning.timing import TIMING_PROMPT, Progress, cached_iteration_seconds, kept_seconds
 
 
 @dataclass(frozen=True)
@@ -72,17 +72,11 @@ def table_for(pair: ModelPair, table: AcceptanceTable | None) -> AcceptanceTable
     return table
 
 
-def fastest(
-    pair: ModelPair,
-    base: Settings,
-    prompt_ids: list[int] | None = None,
-    table: AcceptanceTable | None = None,
-    methods: Sequence[str] = METHODS,
-    refresh: bool = False,
-) -> Tuning:
-    """Time AR and every candidate of ``methods`` in the table under ``base``'s warp on this machine (or read
-    the seconds it timed before) and rank them, timed after ``prompt_ids`` (default: :data:`TIMING_PROMPT`);
-    ValueError when the table has no rows for that warp."""
+def timed_runs(
+    pair: ModelPair, base: Settings, table: AcceptanceTable | None, methods: Sequence[str]
+) -> tuple[list[Row], str, dict[str, Settings]]:
+    """The table's rows of ``methods`` under ``base``'s warp, that warp in words, and the runs to time by name
+    (AR's and each row's); ValueError when the table has no rows for that warp."""
     table = table_for(pair, table)
     rows = table.rows(base)
     if rows is None:
@@ -94,12 +88,48 @@ def fastest(
     warp = describe_warp(warp_of(base))
     runs = {f"{warp} | ar": base.with_(method="ar")}
     runs |= {f"{warp} | {r.candidate.label}": r.candidate.settings(base) for r in rows}
-    if prompt_ids is None:
-        prompt_ids = encode_prompt(pair, TIMING_PROMPT, base.with_(gamma=max(GAMMAS)))
-    seconds, from_disk = cached_iteration_seconds(pair, runs, prompt_ids, refresh=refresh)
-    ar = seconds.pop(f"{warp} | ar")
+    return rows, warp, runs
+
+
+def ranked(rows: list[Row], warp: str, seconds: dict[str, float], from_disk: bool) -> Tuning:
+    """The rows' predictions from the seconds timed for :func:`timed_runs`' names."""
+    ar = seconds[f"{warp} | ar"]
     by_candidate = {r.candidate: seconds[f"{warp} | {r.candidate.label}"] for r in rows}
     return Tuning(predict(rows, by_candidate, ar), ar, from_disk)
+
+
+def fastest(
+    pair: ModelPair,
+    base: Settings,
+    prompt_ids: list[int] | None = None,
+    table: AcceptanceTable | None = None,
+    methods: Sequence[str] = METHODS,
+    refresh: bool = False,
+    progress: Progress | None = None,
+) -> Tuning:
+    """Time AR and every candidate of ``methods`` in the table under ``base``'s warp on this machine (or read
+    the seconds it timed before) and rank them, timed after ``prompt_ids`` (default: :data:`TIMING_PROMPT`);
+    ValueError when the table has no rows for that warp. ``progress`` hears of each timing before it runs."""
+    rows, warp, runs = timed_runs(pair, base, table, methods)
+    if prompt_ids is None:
+        prompt_ids = encode_prompt(pair, TIMING_PROMPT, base.with_(gamma=max(GAMMAS)))
+    seconds, from_disk = cached_iteration_seconds(pair, runs, prompt_ids, refresh=refresh, progress=progress)
+    return ranked(rows, warp, seconds, from_disk)
+
+
+def known_fastest(
+    pair: ModelPair, base: Settings, table: AcceptanceTable | None = None, methods: Sequence[str] = METHODS
+) -> Tuning | None:
+    """:func:`fastest` from what this machine timed before, timing nothing: None when some run was never
+    timed here or the pair has no table for ``base``'s warp."""
+    try:
+        rows, warp, runs = timed_runs(pair, base, table, methods)
+    except ValueError:
+        return None
+    kept = kept_seconds(pair)
+    if any(name not in kept for name in runs):
+        return None
+    return ranked(rows, warp, kept, True)
 
 
 def tuned(

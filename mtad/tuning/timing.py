@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -53,8 +53,17 @@ def cache_file(key: dict[str, object]) -> Path:
     return cache_root() / "tuning" / f"{digest}.json"
 
 
+Progress = Callable[[int, int, Settings], None]
+"""Told before each timing: how many timings were done, of how many, and the settings about to be timed."""
+
+
 def time_iterations(
-    pair: ModelPair, runs: Sequence[Settings], prompt_ids: list[int], iterations: int = 5, rounds: int = 3
+    pair: ModelPair,
+    runs: Sequence[Settings],
+    prompt_ids: list[int],
+    iterations: int = 5,
+    rounds: int = 3,
+    progress: Progress | None = None,
 ) -> list[float]:
     """Each setting's seconds an iteration: over ``rounds`` rounds that take the settings in turn (so a
     machine whose speed drifts weighs on all alike), the least of each round's mean over ``iterations``
@@ -63,6 +72,8 @@ def time_iterations(
     seconds: list[list[float]] = [[] for _ in runs]
     for r in range(rounds + 1):
         for i, settings in enumerate(runs):
+            if progress is not None:
+                progress(r * len(runs) + i, (rounds + 1) * len(runs), settings)
             steps = []
             long_enough = (iterations + 2) * (settings.gamma + 1)  # a full iteration writes γ + 1 tokens
             settings = settings.with_(max_new_tokens=max(settings.max_new_tokens, long_enough))
@@ -79,21 +90,31 @@ def time_iterations(
     return [min(s) for s in seconds]
 
 
+def kept_seconds(pair: ModelPair) -> dict[str, float]:
+    """The seconds this machine timed for ``pair`` before, by run name (empty when it never did)."""
+    path = cache_file(machine_key(pair))
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        return dict(json.loads(path.read_text())["seconds"])
+    return {}
+
+
 def cached_iteration_seconds(
-    pair: ModelPair, runs: dict[str, Settings], prompt_ids: list[int], refresh: bool = False, **how: int
+    pair: ModelPair,
+    runs: dict[str, Settings],
+    prompt_ids: list[int],
+    refresh: bool = False,
+    progress: Progress | None = None,
+    **how: int,
 ) -> tuple[dict[str, float], bool]:
     """``time_iterations`` for the named ``runs``, from the disk where this machine timed them before (unless
     ``refresh``); the seconds by name and whether they came from the disk."""
     key = machine_key(pair)
     path = cache_file(key)
-    kept: dict[str, float] = {}
-    if path.exists() and not refresh:
-        with contextlib.suppress(OSError, ValueError, KeyError):
-            kept = json.loads(path.read_text())["seconds"]
+    kept = {} if refresh else kept_seconds(pair)
     missing = [name for name in runs if name not in kept]
     if not missing:
         return {name: kept[name] for name in runs}, True
-    measured = time_iterations(pair, [runs[n] for n in missing], prompt_ids, **how)
+    measured = time_iterations(pair, [runs[n] for n in missing], prompt_ids, progress=progress, **how)
     kept |= dict(zip(missing, measured, strict=True))
     with contextlib.suppress(OSError):  # a read-only cache only costs the next start a timing
         path.parent.mkdir(parents=True, exist_ok=True)

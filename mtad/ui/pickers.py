@@ -14,6 +14,7 @@ from mtad.decoding.spec import racers
 from mtad.decoding.static_lm import compiles_draft
 from mtad.models.devices import configure_cpu_threads, resolve_device
 from mtad.models.presets import default_pair_name, presets
+from mtad.models.static_llama import uncompiled_shapes
 from mtad.ui import availability
 from mtad.ui.inputs import example_prompts
 from mtad.ui.record import LABELS, RunRecord
@@ -52,7 +53,8 @@ def pair_info(name: str) -> str:
     if reason:
         return f"{escape(p.description)}. **Cannot run on this server:** it {escape(reason)}."
     hub = " Needs the Hugging Face Hub the first time." if p.needs_hub else ""
-    return f"{escape(p.description)}.{hub} Loads once, on its first run, then stays in memory."
+    when = "when the server starts" if name in PAGE.preloaded else "on its first run"
+    return f"{escape(p.description)}.{hub} Loads once, {when}, then stays in memory."
 
 
 def pair_examples(name: str | None) -> list[tuple[str, str]]:
@@ -130,12 +132,22 @@ def server_device() -> str:
     return f"{cpu_label()}, no GPU"
 
 
-def device_text(record: RunRecord) -> str:
-    """The status line's facts about a run: the device, the pair and, read from the loaded models (the
-    page's one home for them), parameter counts, dtype and engine."""
+def device_text(record: RunRecord, running: bool = False) -> str:
+    """The status line's facts about a run (``running``: still going): the device, the pair and, read from
+    the loaded models (the page's one home for them), parameter counts, dtype and engine, and any shape the
+    compiled engine ran uncompiled."""
     pair = PAGE.pairs.peek(record.pair)
     facts = f" · {pair_facts(pair)}" if pair is not None else ""
-    return f"Ran on **{escape(record.device)}** · pair `{record.pair}`{facts}"
+    return f"{'Running' if running else 'Ran'} on **{escape(record.device)}** · pair `{record.pair}`{facts}"
+
+
+def uncompiled_text() -> str:
+    """Which forward shapes dynamo declined to compile in this process (they run uncompiled, slower), for the
+    status line; empty when none did."""
+    shapes = uncompiled_shapes()
+    if not shapes:
+        return ""
+    return f" · **uncompiled forwards** (slower than compiled): {escape('; '.join(shapes))}"
 
 
 def pair_facts(pair: object) -> str:
@@ -152,6 +164,7 @@ def pair_facts(pair: object) -> str:
         else:
             engine = f"compiled target ({inductor}), {engine} for the draft"
     facts = f"draft {millions(d)}, target {millions(t)} parameters · {dtype} · {escape(engine)}"
+    facts += uncompiled_text() if pair.engine == "compiled" else ""
     bias = described(pair.draft)
     if bias["weights"]:  # the draft's distribution includes it: what the verify panel's q shows
         where = "every decoder's" if bias["decoders"] == "all drafting" else "the exact decoders'"

@@ -152,7 +152,8 @@ def _generate(session: str, form: RunForm) -> Iterator[tuple]:
         return
     if not PAGE.pairs.loaded(pair_name):
         compiling = " and compiling it for this machine, under a minute" if compiled_engine() else ""
-        yield blank_outputs(message_html(), f"Loading the pair `{pair_name}`{compiling} (first run only)…", race)
+        since = "since the server started" if pair_name in PAGE.preloaded else "(first run only)"
+        yield blank_outputs(message_html(), f"Loading the pair `{pair_name}`{compiling} {since}…", race)
     try:
         pair = PAGE.pairs.get(pair_name)
         prompt_ids = encode_prompt(pair, prompt, settings)
@@ -174,17 +175,18 @@ def _generate(session: str, form: RunForm) -> Iterator[tuple]:
     try:
         for rec in run_lanes(pair, record, settings, cancel, interval=LIVE_EVERY):
             running = next((lane for lane in rec.lanes.values() if not lane.finished), None)
+            now = device_text(rec, running=running is not None)
             if running is None:
-                status = device_text(rec)
+                status = now
             elif cancel.is_set():
-                status = f"{device_text(rec)} · **stopping** after the iteration in progress…"
+                status = f"{now} · **stopping** after the iteration in progress…"
             elif running.state == "compiling":
                 status = (
-                    f"{device_text(rec)} · compiling **{running.label}** for this device: its first run with "
+                    f"{now} · compiling **{running.label}** for this device: its first run with "
                     "these settings here; the clock starts after…"
                 )
             else:
-                status = f"{device_text(rec)} · running **{running.label}**…"
+                status = f"{now} · running **{running.label}**…"
             yield stream.outputs(rec, status, message=message_html() if not stream.sent else None)
     except torch.cuda.OutOfMemoryError:
         free_device_memory()
@@ -210,6 +212,9 @@ def race_after_run(record: RunRecord | None) -> str | dict:
     """When a run ends, its lanes race again on one time axis (nothing changes when no lane has steps)."""
     if record is None or not any(lane.steps for lane in record.lanes.values()):
         return gr.skip()
+    pair = PAGE.pairs.peek(record.pair)
+    if pair is not None:
+        race.keep_latest_race(record, pair)
     return race.run_race_html(list(record.lanes.values()), record.device)
 
 

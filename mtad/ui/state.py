@@ -57,6 +57,7 @@ class PageState:
     pairs: PairCache = field(default_factory=lambda: PairCache(int(os.environ.get("MTAD_MAX_LOADED_PAIRS", "1"))))
     cancels: CancelRegistry = field(default_factory=CancelRegistry)
     line: WaitingLine = field(default_factory=WaitingLine)
+    preloaded: dict[str, threading.Thread] = field(default_factory=dict)  # pairs loading since start-up
 
 
 PAGE = PageState()

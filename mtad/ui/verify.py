@@ -10,6 +10,7 @@ import plotly.graph_objects as go
 from mtad.decoding.rules import log_ratios, log_tau, mtad_accept_length, mtad_passes
 from mtad.decoding.spec import SpecField, registry
 from mtad.events import Step
+from mtad.metrics import excluded_by_position
 from mtad.text import token_pieces
 from mtad.ui.figures import style
 from mtad.ui.record import LaneRecord
@@ -17,6 +18,7 @@ from mtad.ui.tokens import prob, visible
 from mtad.ui.verify_mtjd import panel_figure, panel_html
 
 PASS, FAIL = "#16a34a", "#dc2626"
+ZERO_STUB = 0.03  # the height a zero acceptance probability is drawn at, hatched, so its bar stays visible
 
 
 def log_tau_text(tau: float) -> str:
@@ -282,19 +284,51 @@ def distributions_html(step: Step, lane: LaneRecord | None = None) -> str:
             "target gives it probability 0, and every prefix containing it has joint log p = −∞ and fails."
         )
     if lane is not None:
-        drafted = [s for s in lane.steps if s.draft_ids]
-        dead = sum(1 for s in drafted if not any(math.isfinite(v) for v in s.log_p))
-        if dead:
-            text += (
-                f" In this lane {dead} of {len(drafted)} drafting iterations had <b>every</b> prefix at −∞: the "
-                "draft's first token was already outside what the warped target allows."
-            )
+        text += disagreement_text(lane)
     return f'<p class="v-distributions">{text}</p>'
 
 
-def verdict_html(lane: LaneRecord, step: Step, tau: float, run_tau: float) -> str:
-    """Why this prefix was accepted, in words, and what the rule says at the panel's tau."""
+def disagreement_text(lane: LaneRecord) -> str:
+    """How often, in this lane, the warped target gave the draft's token probability 0, per position (the
+    draft's disagreement with the target's top-k / top-p; ``mtad.metrics.excluded_by_position``)."""
+    reached, excluded = excluded_by_position(lane.steps)
+    if not any(excluded):
+        return ""
+    first = (
+        f" In this lane {excluded[0]} of {reached[0]} drafting iterations had <b>every</b> prefix at −∞: the "
+        "draft's first token was already outside what the warped target allows."
+        if excluded[0]
+        else ""
+    )
+    shares = ", ".join(
+        f"at position {i + 1} in {e} of {r} ({e / r:.0%})"
+        for i, (r, e) in enumerate(zip(reached, excluded, strict=True))
+        if e
+    )
+    return (
+        f"{first} <b>The draft's disagreement</b>: the warped target excluded the draft's token {shares} of the "
+        "iterations that reached that position."
+    )
+
+
+def target_token_html(lane: LaneRecord, step: Step, tokenizer: object | None) -> str:
+    """The token the target itself wrote this iteration after the accepted drafts (its bonus, recovered or
+    fallback token), marked as the lanes mark it; empty when it wrote none (a stopped or ended text)."""
+    k = next((k for k, mine in enumerate(step.from_target) if mine), None)
+    if k is None or k >= len(step.appended_ids):
+        return ""
+    token = step.appended_ids[k]
+    before = context_before(lane, step.index) + list(step.appended_ids[:k])
+    text = visible(token_pieces(tokenizer, before, [token])[0]) if tokenizer is not None else f"#{token}"
+    return f'<span class="vtok v-target-token">{escape(text)}</span>'
+
+
+def verdict_html(lane: LaneRecord, step: Step, tau: float, run_tau: float, tokenizer: object | None = None) -> str:
+    """Why this prefix was accepted, in words, naming the target's own token, and what the rule says at the
+    panel's tau."""
     g = len(step.draft_ids)
+    written = target_token_html(lane, step, tokenizer)
+    named = f" {written}" if written else ""
     eta = mtad_accept_length(step.log_p, step.log_q, tau)
     passing = [str(j + 1) for j, ok in enumerate(mtad_passes(step.log_p, step.log_q, tau)) if ok]
     rule = f"τ = {tau:.3f} (log τ = {log_tau_text(tau)})"
@@ -303,7 +337,7 @@ def verdict_html(lane: LaneRecord, step: Step, tau: float, run_tau: float) -> st
         followed = " of the followed candidate" if panel in ("kseq", "mss") else ""
         lines = [
             f'{how}. It kept <b class="v-eta">{step.accepted}</b> of {g} draft tokens{followed}, '
-            "then added the target's token.",
+            f"then added the target's token{named}.",
             f"For comparison, MTAD's joint rule at {rule} would accept {eta} of this draft.",
         ]
     elif panel == "mtad":
@@ -312,7 +346,7 @@ def verdict_html(lane: LaneRecord, step: Step, tau: float, run_tau: float) -> st
             f"At {rule} the passing prefixes are: {which}. MTAD keeps the <b>longest</b> passing prefix, "
             f'so it accepts <b class="v-eta">{eta}</b> of {g} draft tokens, then takes one token from the '
             f"target at position {eta + 1}.",
-            f"The run used τ = {run_tau:.3f} and accepted {step.accepted}.",
+            f"The run used τ = {run_tau:.3f}: it accepted {step.accepted}, then the target wrote{named or ' nothing'}.",
         ]
         if eta != step.accepted:
             lines.append(
@@ -331,7 +365,7 @@ def verdict_html(lane: LaneRecord, step: Step, tau: float, run_tau: float) -> st
         )
         tail = "a bonus token from the target" if step.accepted == g else "a token resampled from norm(max(0, p − q))"
         lines = [
-            f'{how}: it accepted <b class="v-eta">{step.accepted}</b> of {g}, then added {tail}. '
+            f'{how}: it accepted <b class="v-eta">{step.accepted}</b> of {g}, then added {tail}{named}. '
             "This is what keeps SD's output distributed exactly like the target's; τ plays no part.",
             f"For comparison, MTAD's joint rule at {rule} would accept {eta} of this draft.",
         ]
@@ -382,7 +416,7 @@ def verify_html(
         parts += [bild_table(lane, step, tokenizer, settings or {})]
     else:
         parts += [sd_table(step, pieces)]
-    parts.append(verdict_html(lane, step, tau, run_tau))
+    parts.append(verdict_html(lane, step, tau, run_tau, tokenizer))
     return '<div class="mtad-verify">' + "".join(parts) + "</div>"
 
 
@@ -406,12 +440,16 @@ def walk_figure(lane: LaneRecord, step: Step) -> go.Figure:
             ok.append(t["accepted"] == k)
     fig = go.Figure()
     rule = "min(1, p/(ρq))" if spectr else "min(1, p_k/q)"
+    # a try the target gives p = 0 has a bar of height 0: drawn as a thin hatched stub, so a rejected try keeps its bar
     fig.add_trace(
         go.Bar(
             x=xs,
-            y=bars,
-            marker={"color": [PASS if o else FAIL for o in ok]},
-            text=[f"{b:.2f}" for b in bars],
+            y=[max(b, ZERO_STUB) for b in bars],
+            marker={
+                "color": [PASS if o else FAIL for o in ok],
+                "pattern": {"shape": ["/" if b == 0 else "" for b in bars]},
+            },
+            text=[f"{b:.2f}" if b > 0 else "0 (p = 0)" for b in bars],
             textposition="auto",
             cliponaxis=False,
             name=rule,
