@@ -11,6 +11,7 @@ reached the position (every earlier token allowed) whose token the warped target
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -55,10 +56,13 @@ def main() -> None:
     parser.add_argument("--methods", default="sd,mtad,spectr,specinfer,bild")
     parser.add_argument("--limit", type=int, default=8, help="example prompts (default 8)")
     parser.add_argument("--max-new-tokens", type=int, default=DEFAULTS.max_new_tokens)
+    parser.add_argument("--top-k", type=int, default=DEFAULTS.top_k, help=f"default {DEFAULTS.top_k}, the page's")
+    parser.add_argument("--top-p", type=float, default=DEFAULTS.top_p, help=f"default {DEFAULTS.top_p}, the page's")
     args = parser.parse_args()
+    warp = {"top_k": args.top_k, "top_p": args.top_p}
     pair = load_pair(args.pair)
     prompts = [text for _, text in example_prompts(presets()[args.pair])][: args.limit]
-    print(f"pair {args.pair}: {len(prompts)} example prompts, engine {pair.engine}, dtype {pair.dtype}")
+    print(f"pair {args.pair}: {len(prompts)} example prompts, engine {pair.engine}, dtype {pair.dtype}, {warp}")
     same = 0
     for text in prompts:
         ids = encode_prompt(pair, text, DEFAULTS)
@@ -73,10 +77,12 @@ def main() -> None:
             reached: list[int] = []
             excluded: list[int] = []
             iterations = 0
+            first_p: list[float] = []  # the warped target's probability of each first draft token
             for seed, text in enumerate(prompts):
-                settings = DEFAULTS.with_(method=method, max_new_tokens=args.max_new_tokens, seed=seed)
+                settings = DEFAULTS.with_(method=method, max_new_tokens=args.max_new_tokens, seed=seed, **warp)
                 steps = list(decode(pair, encode_prompt(pair, text, settings), settings))
                 iterations += len(steps)
+                first_p += [math.exp(st.log_p[0]) for st in steps if st.log_p]
                 r, e = excluded_by_position(steps)
                 for i in range(len(r)):
                     if i == len(reached):
@@ -87,7 +93,8 @@ def main() -> None:
             shares = " · ".join(
                 f"{i + 1}: {e}/{r} ({e / r:.0%})" for i, (r, e) in enumerate(zip(reached, excluded, strict=True)) if r
             )
-            print(f"{method}: {iterations} iterations; excluded by position: {shares}")
+            mean = sum(first_p) / len(first_p) if first_p else float("nan")
+            print(f"{method}: {iterations} iterations; excluded by position: {shares}; mean p of the first: {mean:.2f}")
 
 
 if __name__ == "__main__":

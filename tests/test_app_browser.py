@@ -5,6 +5,7 @@ Screenshots go to ``test-output/`` (git-ignored) for a person to look at.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import time
@@ -474,6 +475,8 @@ def test_first_visit_shows_a_recorded_race_and_the_ar_lane(page):
     import json
 
     recorded = json.loads((Path(__file__).resolve().parent.parent / "assets" / "race.json").read_text())
+    shutil.rmtree(Path(os.environ["MTAD_CACHE"]) / "races", ignore_errors=True)  # no race run on this device yet
+    page.reload()
     race = page.locator("#race .mtad-race")
     race.wait_for(timeout=30_000)
     assert recorded["device"] in race.inner_text() and recorded["pair"] in race.inner_text()
@@ -711,3 +714,13 @@ def test_after_a_run_the_race_rests_on_its_winner_and_the_panel_names_the_target
     assert colour == lane_colour, (colour, lane_colour)  # marked as the lanes mark the target's tokens
     page.locator("#v-panel").scroll_into_view_if_needed()
     page.screenshot(path=str(OUT / "panel_target_token.png"))
+    # the next visitor's first view: this device's race, without this visitor's prompt
+    later = page.context.new_page()
+    later.goto(page.url)
+    later.wait_for_selector("#race .mtad-race", timeout=60_000)
+    later.wait_for_function(
+        "document.querySelector('#race').innerText.includes('This device\\'s latest race')", timeout=60_000
+    )
+    text = later.locator("#race").inner_text()
+    assert "abc bad cab" not in text and "a visitor's own (not shown)" in text
+    later.close()

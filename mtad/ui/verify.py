@@ -294,20 +294,14 @@ def disagreement_text(lane: LaneRecord) -> str:
     reached, excluded = excluded_by_position(lane.steps)
     if not any(excluded):
         return ""
-    first = (
-        f" In this lane {excluded[0]} of {reached[0]} drafting iterations had <b>every</b> prefix at −∞: the "
-        "draft's first token was already outside what the warped target allows."
-        if excluded[0]
-        else ""
-    )
-    shares = ", ".join(
-        f"at position {i + 1} in {e} of {r} ({e / r:.0%})"
+    shares = [
+        f"at position {i + 1} in {e} of {r} ({e / r:.0%}{'; every prefix at −∞ there' if i == 0 else ''})"
         for i, (r, e) in enumerate(zip(reached, excluded, strict=True))
         if e
-    )
+    ]
     return (
-        f"{first} <b>The draft's disagreement</b>: the warped target excluded the draft's token {shares} of the "
-        "iterations that reached that position."
+        f" <b>The draft's disagreement</b> in this lane: the warped target excluded the draft's token "
+        f"{', '.join(shares)} of the iterations that reached that position with every earlier token allowed."
     )
 
 
