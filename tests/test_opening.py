@@ -106,6 +106,9 @@ def test_the_status_line_says_whether_the_pair_is_loaded(loaded, monkeypatch):
         waiting.set()
         loading.join()
     assert opening.on_refresh(PAIR)[1]["active"] is False  # loaded: the timer stops
+    assert "Loads once, on its first run" in opening.on_load(PAIR, None)[-1]
+    monkeypatch.setitem(PAGE.preloaded, PAIR, loading)  # loaded at start-up: the pair's note says so
+    assert "Loads once, when the server starts, then stays in memory." in opening.on_load(PAIR, None)[-1]
     assert "the pair loads on its first run" in opening.status_text("nowhere")
 
 

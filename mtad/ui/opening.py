@@ -19,7 +19,7 @@ from mtad.tuning.choose import Tuning
 from mtad.tuning.table import table_path
 from mtad.ui import race
 from mtad.ui.inputs import DEFAULTS
-from mtad.ui.pickers import pair_facts, server_device
+from mtad.ui.pickers import pair_facts, pair_info, server_device
 from mtad.ui.runner import DEVICE_LOCK, free_device_memory
 from mtad.ui.state import PAGE
 
@@ -116,8 +116,8 @@ def opening_race(pair_name: str) -> str:
 
 
 def on_load(pair_name: str | None, request: gr.Request | None = None) -> tuple:
-    """Page load: (γ, W, the defaults' note, status, race). γ and W become this device's fastest where they
-    are known, unless a link sets them."""
+    """Page load: (γ, W, the defaults' note, status, race, the pair's note). γ and W become this device's
+    fastest where they are known, unless a link sets them."""
     name = pair_name or ""
     query = dict(request.query_params) if request is not None else {}
     try:
@@ -128,7 +128,7 @@ def on_load(pair_name: str | None, request: gr.Request | None = None) -> tuple:
     if tuning is not None:
         best = tuning.best("mtad").candidate
         gamma, beams = best.gamma, best.beams
-    return gamma, beams, defaults_note(name, tuning), status_text(name), opening_race(name)
+    return gamma, beams, defaults_note(name, tuning), status_text(name), opening_race(name), pair_info(name)
 
 
 def on_refresh(pair_name: str | None) -> tuple:
