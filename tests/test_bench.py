@@ -790,6 +790,18 @@ def test_the_environment_names_the_run_as_it_ran(tiny_pair, tiny_dirs):
     )
 
 
+def test_the_environment_names_forwards_that_ran_uncompiled(tiny_pair, monkeypatch):
+    from mtad.bench.report import environment
+    from mtad.models import static_llama
+
+    monkeypatch.setattr(static_llama, "UNCOMPILED", {})
+    assert environment(tiny_pair, [], None, "none", None)["uncompiled_shapes"] == []
+    static_llama.UNCOMPILED["Llama, 1 row, 5 tokens (gemv form)"] = "past dynamo's limit of 8 graphs"
+    assert environment(tiny_pair, [], None, "none", None)["uncompiled_shapes"] == [
+        "Llama, 1 row, 5 tokens (gemv form) (past dynamo's limit of 8 graphs)"
+    ]
+
+
 def test_the_environment_names_emulated_instruction_sets(tiny_pair, monkeypatch):
     from mtad.bench.report import environment
 

@@ -625,3 +625,15 @@ def test_the_legend_explains_the_hover_p_and_q_and_the_struck_through_drafts():
     legend = tokens.legend_html()
     assert "“p 1 · q 1” means both were certain" in legend and "warped distributions" in legend
     assert "struck through, to show what was tried" in legend and "reply only" in legend
+
+
+def test_the_status_line_names_each_forward_shape_that_ran_uncompiled(monkeypatch):
+    from mtad.models import static_llama
+    from mtad.ui import pickers
+
+    monkeypatch.setattr(static_llama, "UNCOMPILED", {})
+    assert pickers.uncompiled_text() == ""
+    static_llama.UNCOMPILED["Llama, 1 row, 5 tokens (gemv form)"] = "past dynamo's limit of 8 graphs, or a <failed>"
+    text = pickers.uncompiled_text()
+    assert text.startswith(" · **uncompiled forwards** (slower than compiled): Llama, 1 row, 5 tokens (gemv form)")
+    assert "&lt;failed&gt;" in text and "<failed>" not in text
