@@ -117,7 +117,7 @@ def test_a_card_s_acceptance_says_in_how_many_iterations_the_lane_drafted():
     m = lane.metrics()
     assert m.acceptance == 1.0 and m.undrafted_iterations == 4 and m.iterations == 5
     html = cards.cards_html([lane])
-    assert ">100.0% (drafted in 1 of 5 iterations)</div>" in html
+    assert '>100.0%</div><div class="card-label">acceptance (drafted in 1 of 5 iterations)</div>' in html
     assert "(drafted in" not in cards.cards_html([lane_of("sd", [sd_step(0), sd_step(1)])])  # drafted in each
 
 

@@ -61,19 +61,18 @@ def target_call(m: Metrics, lane: LaneRecord, ar: Metrics | None) -> tuple[str, 
     return f"{value} ({ratio:.2f}×)", tip
 
 
-def acceptance_text(m: Metrics) -> tuple[str, str]:
-    """(value, tooltip) of the acceptance cell: accepted over drafted tokens, and, where some iterations drafted
-    nothing (BiLD falling back to the target, a budget's last token), in how many iterations it drafted, so a
+def acceptance_cell(m: Metrics) -> tuple[str, str, str]:
+    """(label, value, tooltip) of the acceptance cell: accepted over drafted tokens and, where some iterations
+    drafted nothing (BiLD falling back to the target, a budget's last token), in how many it drafted, so a
     100 % over a few drafting iterations does not read as every iteration's."""
     tip = "accepted / drafted tokens"
     if m.acceptance is None:
-        return "—", tip
-    value = f"{m.acceptance:.1%}"
+        return "acceptance", "—", tip
+    label = "acceptance"
     if m.undrafted_iterations:
-        drafting = m.iterations - m.undrafted_iterations
-        value += f" (drafted in {drafting} of {m.iterations} iterations)"
+        label += f" (drafted in {m.iterations - m.undrafted_iterations} of {m.iterations} iterations)"
         tip += "; the other iterations drafted nothing and the target wrote their token alone"
-    return value, tip
+    return label, f"{m.acceptance:.1%}", tip
 
 
 def card_html(lane: LaneRecord, ar: Metrics | None = None) -> str:
@@ -87,7 +86,7 @@ def card_html(lane: LaneRecord, ar: Metrics | None = None) -> str:
         ("tokens/s", fmt(m.tokens_per_second), "new tokens / seconds of this lane's own work"),
         ("J/token", *energy_text(m, lane)),
         ("block efficiency", fmt(m.block_efficiency), "new tokens per target forward pass (AR = 1)"),
-        ("acceptance", *acceptance_text(m)),
+        acceptance_cell(m),
         ("perplexity", fmt(m.perplexity), "under the target, unwarped, T = 1"),
         (
             "repeated 4-grams",
