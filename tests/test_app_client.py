@@ -451,3 +451,12 @@ def test_one_session_cannot_fill_the_queue(app_server, monkeypatch):
     monkeypatch.undo()  # the running lane keeps its endless decoder; the next one decodes for real
     first.cancel()
     assert other.result(timeout=120)[-1]["lanes"]["mtad"]["state"] == "done"  # another client was queued and served
+
+
+def test_the_state_kept_per_session_is_bounded(app_server):
+    import gradio as gr
+
+    demo = app_server["app"].demo
+    assert demo.state_session_capacity == app_server["app"].SESSIONS == 256  # Gradio's own default keeps 10,000
+    records = [b for b in demo.blocks.values() if isinstance(b, gr.State) and b.time_to_live != float("inf")]
+    assert [b.time_to_live for b in records] == [3600]  # the run record; a session's last run goes after an hour

@@ -220,3 +220,16 @@ def test_client_refusal_caps_jobs_per_session_and_per_address(monkeypatch) -> No
     assert "your address already has 4 runs" in client_refusal(jobs, "f", "2.2.2.2")
     monkeypatch.setenv("MTAD_JOBS_PER_ADDRESS", "0")
     assert client_refusal(jobs, "f", "2.2.2.2") is None
+
+
+def test_a_link_with_a_prompt_over_the_cap_says_so_instead_of_cutting_it(tiny_presets) -> None:  # noqa: ANN001
+    from mtad.ui import link
+    from mtad.ui.form import FIELDS
+
+    long = SimpleNamespace(query_params={"prompt": "a" * 20_001, "tau": "0.2"})
+    *outs, wanted, message = link.from_query("tiny", long)
+    fields = dict(zip(FIELDS, outs, strict=True))
+    assert "prompt is 20,001 characters long; this server takes at most 20,000, so it was not put" in message
+    assert fields["prompt"] == {"__type__": "update"} and fields["tau"]["value"] == 0.2  # the box is left alone
+    *outs, _, message = link.from_query("tiny", SimpleNamespace(query_params={"prompt": "a" * 20_000}))
+    assert dict(zip(FIELDS, outs, strict=True))["prompt"]["value"] == "a" * 20_000 and "Opened from a link" in message
