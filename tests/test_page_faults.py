@@ -87,7 +87,7 @@ def wait_until(condition, seconds: float = 30.0) -> bool:  # noqa: ANN001
 
 @pytest.fixture
 def queue_of(monkeypatch):  # noqa: ANN001, ANN201
-    """Gradio's queue as the page reads it: the sessions whose device jobs are queued or running now."""
+    """Gradio's queue as the page reads it: the sessions whose page runs are queued or running now."""
     jobs = {"pending": [], "active": []}
     monkeypatch.setattr(
         PAGE.line,
@@ -98,6 +98,7 @@ def queue_of(monkeypatch):  # noqa: ANN001, ANN201
             active=list(jobs["active"]),
             size=len(jobs["pending"]),
             max_size=16,
+            page_runs=[*jobs["pending"], *jobs["active"]],
         ),
     )
     return jobs
@@ -233,3 +234,25 @@ def test_a_link_with_a_prompt_over_the_cap_says_so_instead_of_cutting_it(tiny_pr
     assert fields["prompt"] == {"__type__": "update"} and fields["tau"]["value"] == 0.2  # the box is left alone
     *outs, _, message = link.from_query("tiny", SimpleNamespace(query_params={"prompt": "a" * 20_000}))
     assert dict(zip(FIELDS, outs, strict=True))["prompt"]["value"] == "a" * 20_000 and "Opened from a link" in message
+
+
+def test_the_queue_tells_a_page_run_from_another_device_job(tiny_presets) -> None:  # noqa: ANN001
+    """A session whose "Fastest" holds the device may still queue a run: only a page Run blocks the next."""
+    from mtad.ui.waiting import PAGE_RUN, gradio_jobs
+
+    def event(session: str, name: str) -> SimpleNamespace:
+        fn = SimpleNamespace(name=name, api_visibility="private")
+        return SimpleNamespace(session_hash=session, fn=fn, concurrency_id="device")
+
+    class Queue(SimpleNamespace):  # the attributes of Gradio's queue that the line reads
+        def __len__(self) -> int:
+            return 1
+
+    q = Queue(
+        event_queue_per_concurrency_id={"device": SimpleNamespace(queue=[event("a", "fastest_page")])},
+        active_jobs=[[event("b", "run_page")]],
+        max_size=16,
+    )
+    jobs = gradio_jobs(SimpleNamespace(_queue=q))
+    assert jobs.page_runs == ["b"] and jobs.pending == ["a"] and jobs.active == ["b"]
+    assert runs.run_page.__name__ == PAGE_RUN  # the name Gradio gives the page's Run job

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 DEVICE = "device"  # the concurrency id of every run event (app.py)
+PAGE_RUN = "run_page"  # the name of the page's Run handler (mtad.ui.run.run_page): one per page at a time
 GRACE = 3.0  # seconds a pressed Run may take to reach Gradio's queue before it counts as refused
 
 
@@ -28,6 +29,7 @@ class Jobs:
     active: list[str] = field(default_factory=list)  # sessions of the device jobs running now
     size: int = 0  # queued jobs of any kind: what Gradio's max_size counts
     max_size: int | None = None
+    page_runs: list[str] = field(default_factory=list)  # sessions of the page's Run jobs, queued or running
 
     @property
     def full(self) -> bool:
@@ -52,6 +54,7 @@ def gradio_jobs(blocks: object, concurrency_id: str = DEVICE) -> Jobs | None:
         active=[e.session_hash for e in running],
         size=len(q),
         max_size=q.max_size,
+        page_runs=[e.session_hash for e in [*events, *running] if getattr(e.fn, "name", None) == PAGE_RUN],
     )
 
 
@@ -136,11 +139,11 @@ class WaitingLine:
         return Place(n_running + len(queued) + 1, n_running + len(queued) + 1, running_for, api, state, jobs.max_size)
 
     def busy(self, session: str) -> bool:
-        """True while a device job of the session is queued or running (in Gradio's queue, else the page's own
-        Run presses): a page's Run press then queues nothing new."""
+        """True while a page Run of the session is queued or running (in Gradio's queue, else the page's own
+        Run presses): a Run press then queues nothing new (Gradio's "once" rule)."""
         jobs = self.jobs() if self.jobs is not None else None
         if jobs is not None:
-            return session in jobs.pending or session in jobs.active
+            return session in jobs.page_runs
         with self._lock:
             return session in self._waiting or session in self._running
 
