@@ -145,7 +145,7 @@ class Soak:
         try:
             body = json.dumps({"data": data})  # ASCII with escapes: a lone surrogate travels as \ud800
             posted = httpx.post(f"{self.url}gradio_api/call/run", content=body, headers=JSON, timeout=30)
-            if posted.is_client_error:  # refused at the door (a lone surrogate is not valid JSON text to Gradio)
+            if posted.is_error:  # refused at the door: the queue full, or too many runs of this client
                 detail = (
                     str(posted.json().get("detail", "")) if "json" in posted.headers.get("content-type", "") else ""
                 )
@@ -248,8 +248,11 @@ def main() -> int:
         threads = [threading.Thread(target=soak.client, args=(i, deadline), daemon=True) for i in range(args.clients)]
         for t in threads:
             t.start()
-        for t in threads:
-            t.join(60 * args.minutes + args.stranded_after + 60)
+        rss = [rss_start]
+        while any(t.is_alive() for t in threads) and time.monotonic() < deadline + args.stranded_after + 60:
+            time.sleep(1)
+            if len(rss) <= (time.monotonic() - deadline + 60 * args.minutes) // 60:  # one sample a minute
+                rss.append(rss_mib(server.pid))
         stranded_threads = sum(t.is_alive() for t in threads)
         after = Client(url, verbose=False).predict(*run_args("abc def", args.max_new_tokens), api_name="/run")
         next_served = all(lane["state"] == "done" for lane in after[-1]["lanes"].values())
@@ -273,6 +276,7 @@ def main() -> int:
     print(f"a run after the soak served: {next_served}")
     print(f"tracebacks in the server log: {tracebacks} ({log_path})")
     print(f"server RSS: {rss_start:.0f} MiB after the first run, {rss_end:.0f} MiB at the end")
+    print(f"server RSS each minute, MiB: {' '.join(f'{m:.0f}' for m in rss)}")
     bad = stranded or tracebacks or soak.tally["refused without a message"] or not next_served
     return 1 if bad else 0
 
