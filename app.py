@@ -13,7 +13,7 @@ from pathlib import Path
 import gradio as gr
 
 from mtad.settings import PARAMS
-from mtad.ui import availability, fastest, form, line, link, opening, outputs, panel, pickers, replay
+from mtad.ui import availability, fastest, form, line, link, opening, outputs, panel, pickers, replay, waiting
 from mtad.ui import race as race_view
 from mtad.ui import run as runs
 from mtad.ui.explain import EXPLAIN, INTRO
@@ -30,6 +30,9 @@ from mtad.ui.tokens import legend_html
 CSS = (Path(__file__).resolve().parent / "assets" / "app.css").read_text()
 THEME = gr.themes.Soft(primary_hue="blue", neutral_hue="slate")
 QUEUE_SIZE = int(os.environ.get("MTAD_QUEUE_SIZE", "16"))
+REPLAYS = 16  # replays animated at once: they only redraw a finished run, on the CPU, and never wait for the device
+SESSIONS = int(os.environ.get("MTAD_MAX_SESSIONS", "256"))  # sessions whose last run the server keeps (gr.State)
+RECORD_TTL = 3600  # seconds a session's last run is kept after it last changed
 
 
 def build() -> gr.Blocks:
@@ -41,7 +44,7 @@ def build() -> gr.Blocks:
     # no Gradio timer flashing in the message box or the status line: every event says its own progress
     private = {"queue": False, "api_visibility": "private", "show_progress": "hidden"}
     with gr.Blocks(title="MTAD vs speculative decoding") as demo:
-        record = gr.State(None)
+        record = gr.State(None, time_to_live=RECORD_TTL)
         wanted = gr.State(None)  # a link's lane and iteration, opened after the next run
         timer = gr.Timer(1.0, active=False)
         gr.Markdown(INTRO)
@@ -189,11 +192,14 @@ def build() -> gr.Blocks:
         fastest_outputs = [gamma, beams, message, defaults_note]
         fastest_btn.click(fastest.fastest_page, sampling, fastest_outputs, **fastest_opts, show_progress="hidden")
         replay_outputs = [message, status, *lanes, cards, tokens_plot, accept_plot]
-        replay_btn.click(replay.replay_page, record, replay_outputs, api_visibility="private", show_progress="hidden")
+        replay_opts = dict(concurrency_limit=REPLAYS, concurrency_id="replay")  # off the device's queue
+        replay_btn.click(
+            replay.replay_page, record, replay_outputs, api_visibility="private", show_progress="hidden", **replay_opts
+        )
         # the public API: the same work, ending in an error (with the page's words) when refused
         api_run, api_replay = gr.Button(visible=False), gr.Button(visible=False)
         api_run.click(runs.run, None, run_outputs, inputs_kwargs=run_form, api_name="run", **run_opts)
-        api_replay.click(replay.replay, record, replay_outputs, api_name="replay", concurrency_limit=4)
+        api_replay.click(replay.replay, record, replay_outputs, api_name="replay", **replay_opts)
         # .input, not .change: verify_reset sets the lane, iteration and view itself after a run (a link's
         # iteration among them), and a .change here would race it back to iteration 1
         # raw values: a number typed past a slider's end reaches the handlers, which take the nearest end,
@@ -209,6 +215,7 @@ def build() -> gr.Blocks:
         demo.unload(line.unload)
     demo.queue(max_size=QUEUE_SIZE, default_concurrency_limit=1)
     PAGE.line.attach(demo)
+    waiting.limit_per_client(demo)
     return demo
 
 
@@ -235,7 +242,7 @@ def main(**launch_kwargs: object) -> None:
     default pair loads and compiles in the background meanwhile, then its candidates are timed once."""
     if runs.compiled_engine():
         opening.start(pickers.default_pair_name())
-    demo.launch(css=CSS, theme=THEME, **launch_kwargs)
+    demo.launch(css=CSS, theme=THEME, state_session_capacity=SESSIONS, **launch_kwargs)
 
 
 if __name__ == "__main__":

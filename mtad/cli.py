@@ -111,8 +111,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run_generate(args: argparse.Namespace) -> int:
     """``mtad generate``: decode ``args.prompt``, print its text with the accepted drafts marked and a summary."""
     try:
+        from mtad.decoding import check_prompt_text, generate
+
+        check_prompt_text(args.prompt)  # before loading anything: a byte that is not UTF-8 is refused by name
         settings = settings_from_args(args, args.method)
-        from mtad.decoding import generate
         from mtad.metrics import summarize
 
         if args.engine == "auto" and not os.environ.get("MTAD_ENGINE"):

@@ -430,3 +430,51 @@ def test_the_fastest_button_says_what_it_is_timing(tiny_pair):
     assert timing.progress_text().endswith(": AR: 1 of 16…")
     timing.hear(15, 16, Settings(method="sd", gamma=2))
     assert timing.progress_text().endswith(": SD γ 2: 16 of 16…")
+
+
+def test_a_4_mb_prompt_is_refused_by_its_length_and_the_app_keeps_serving(client, monkeypatch):
+    from mtad.ui import run as runs
+
+    tokenized = []
+    real = runs.encode_prompt
+    monkeypatch.setattr(runs, "encode_prompt", lambda *a, **k: tokenized.append(len(a[1])) or real(*a, **k))
+    with pytest.raises(gradio_client.exceptions.AppError, match="the prompt is 4,194,304 characters long"):
+        client.predict(*args(prompt="a" * 4 * 2**20), api_name="/run")
+    assert not tokenized
+    final = client.predict(*args(max_new=6), api_name="/run")
+    assert final[-1]["lanes"]["mtad"]["state"] == "done" and tokenized == [len(BASE["prompt"])]
+
+
+def test_one_session_cannot_fill_the_queue(app_server, monkeypatch):
+    import httpx
+
+    from mtad.ui import runner
+
+    monkeypatch.setattr(runner, "decode", endless_decode)
+    monkeypatch.setenv("MTAD_JOBS_PER_SESSION", "1")
+    greedy = gradio_client.Client(app_server["url"], verbose=False)
+    first = greedy.submit(*args(max_new=200), api_name="/run")
+    deadline = time.time() + 60
+    while time.time() < deadline and not any(w.is_alive() for w in list(runner.ACTIVE)):
+        time.sleep(0.05)
+    assert runner.ACTIVE, "the first run never started"
+    second = greedy.submit(*args(max_new=200), api_name="/run")
+    with pytest.raises(gradio_client.utils.QueueError):
+        second.result(timeout=30)
+    fn_index = greedy._infer_fn_index("/run", None)
+    body = {"data": args(max_new=200), "fn_index": fn_index, "session_hash": greedy.session_hash, "event_data": None}
+    raw = httpx.post(app_server["url"] + "gradio_api/queue/join", json=body, timeout=30)
+    assert raw.status_code == 503 and "this session already has 1 run queued or running" in raw.json()["detail"]
+    other = gradio_client.Client(app_server["url"], verbose=False).submit(*args(max_new=6), api_name="/run")
+    monkeypatch.undo()  # the running lane keeps its endless decoder; the next one decodes for real
+    first.cancel()
+    assert other.result(timeout=120)[-1]["lanes"]["mtad"]["state"] == "done"  # another client was queued and served
+
+
+def test_the_state_kept_per_session_is_bounded(app_server):
+    import gradio as gr
+
+    demo = app_server["app"].demo
+    assert demo.state_session_capacity == app_server["app"].SESSIONS == 256  # Gradio's own default keeps 10,000
+    records = [b for b in demo.blocks.values() if isinstance(b, gr.State) and b.time_to_live != float("inf")]
+    assert [b.time_to_live for b in records] == [3600]  # the run record; a session's last run goes after an hour

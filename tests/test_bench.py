@@ -1142,3 +1142,17 @@ def test_perplexity_against_sd_has_an_interval_from_resampling_prompts():
     table = render_table(list(rows.values()))
     assert "perplexity minus SD's over the common prompts (95 % interval, prompts resampled):" in table
     assert f"  mtad W=8  {gap['difference']:+.3f}  [{gap['low']:+.3f}, {gap['high']:+.3f}]" in table
+
+
+def test_out_into_an_earlier_bench_s_folder_leaves_no_stale_figure(tiny_dirs, prompts_file, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("tau_sweep.html", "tau_sweep.png", "figure1_mtjd.html", "runs.csv", "notes.md"):
+        (out / name).write_text("from an earlier bench")
+    argv = [*pair_args(tiny_dirs), "--prompts", prompts_file, "--max-new-tokens", "4", "--methods", "sd"]
+    argv += ["--gamma", "2,3", "--warmup", "0", "--no-progress", "--plotlyjs", "cdn", "--out", str(out)]
+    assert bench.main(argv) == 0
+    names = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))
+    assert "tau_sweep.html" not in names and "tau_sweep.png" not in names and "figure1_mtjd.html" not in names
+    assert "gamma_sweep.html" in names and (out / "notes.md").read_text() == "from an earlier bench"
+    assert (out / "runs.csv").read_text() != "from an earlier bench"

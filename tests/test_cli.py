@@ -186,3 +186,14 @@ def test_metrics_json_equals_summarize(tiny_pair, capsys: pytest.CaptureFixture,
     assert out["new_ids"] == run.new_ids
     assert out["metrics"]["block_efficiency"] == pytest.approx(m.block_efficiency)
     assert out["metrics"]["perplexity"] == pytest.approx(m.perplexity, rel=1e-6)
+
+
+def test_a_prompt_that_is_not_utf8_is_a_sentence_not_a_traceback(tiny_dirs: tuple[str, str]) -> None:
+    """``--prompt $'\\xff'``: the byte reaches Python as a lone surrogate, which the tokenizer cannot take."""
+    draft, target = tiny_dirs
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    argv = [sys.executable, "-m", "mtad", "generate", "--draft", draft, "--target", target, "--prompt"]
+    bad = subprocess.run([os.fsencode(a) for a in argv] + [b"abc \xff"], capture_output=True, env=env, timeout=300)
+    stderr = bad.stderr.decode("utf-8", "replace")
+    assert bad.returncode == 2 and "Traceback" not in stderr, stderr
+    assert "the prompt holds a character that is not text (U+DCFF, a lone surrogate, at character 5" in stderr

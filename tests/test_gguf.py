@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -239,3 +241,77 @@ def test_greedy_sd_and_mtad_tau_one_equal_greedy_ar_on_the_gguf_pair(gguf_pair: 
     assert any(s.accepted > 0 for s in sd.steps), "no draft token was ever accepted: the SD path did not run"
     one = generate(gguf_pair, PROMPT, Settings(method="mtad", greedy=True, tau=1.0, gamma=4, beams=4, max_new_tokens=n))
     assert one.new_ids == ar
+
+
+WRITER = """
+import os, resource, signal, sys, time
+from pathlib import Path
+import mtad.models.gguf_cache as cache
+limit, mode = int(sys.argv[2]), sys.argv[3]
+if mode == "full":  # a disk that fills up: writes past `limit` bytes fail (EFBIG) instead of killing the writer
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+else:  # a writer killed halfway: it says where it writes, then waits for its end
+    real = cache.save_model
+    def save_model(model, path):
+        real(model, path)
+        print(Path(path).parent, flush=True)
+        time.sleep(600)
+    cache.save_model = save_model
+print("result", cache.materialize(Path(sys.argv[1])), flush=True)
+"""
+
+
+def writer(gguf_file: Path, mode: str, limit: int = 0) -> subprocess.Popen:
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": root, "HF_HUB_OFFLINE": "1"}
+    argv = [sys.executable, "-c", WRITER, str(gguf_file), str(limit), mode]
+    return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_full_disk_leaves_no_half_written_copy(gguf_file: Path, tmp_path: Path, monkeypatch) -> None:
+    """The cache's disk fills up while the weights are written (a size limit on the writer's files): the
+    load falls back to the GGUF file and nothing half-written stays in the cache."""
+    monkeypatch.setenv("MTAD_CACHE", str(tmp_path / "cache"))
+    proc = writer(gguf_file, "full", limit=256 * 1024)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert "result None" in out
+    assert not list((tmp_path / "cache" / "gguf").iterdir())
+
+
+def test_a_killed_writer_s_partial_copy_is_removed_by_the_next(gguf_file: Path, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("MTAD_CACHE", str(tmp_path / "cache"))
+    proc = writer(gguf_file, "killed")
+    partial = Path(proc.stdout.readline().strip())
+    assert partial.name.startswith(".partial-") and (partial / "model.safetensors").is_file()
+    proc.kill()
+    proc.wait(30)
+    assert partial.is_dir()  # what a killed writer leaves
+    out = materialize(gguf_file)
+    assert out is not None and (out / "model.safetensors").is_file()
+    assert [p.name for p in (tmp_path / "cache" / "gguf").iterdir()] == [out.name]
+
+
+def test_a_copy_is_on_the_disk_before_it_is_renamed_into_place(gguf_file: Path, tmp_path: Path, monkeypatch) -> None:
+    import mtad.models.gguf_cache as cache
+
+    monkeypatch.setenv("MTAD_CACHE", str(tmp_path / "cache"))
+    events: list[tuple[str, str]] = []
+    real_fsync, real_rename = os.fsync, Path.rename
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", Path(os.readlink(f"/proc/self/fd/{fd}")).name))
+        real_fsync(fd)
+
+    def rename(self: Path, target: Path) -> Path:
+        events.append(("rename", self.name))
+        return real_rename(self, target)
+
+    monkeypatch.setattr(cache.os, "fsync", fsync)
+    monkeypatch.setattr(Path, "rename", rename)
+    out = materialize(gguf_file)
+    renamed = next(i for i, (what, _) in enumerate(events) if what == "rename")
+    synced = {name for what, name in events[:renamed] if what == "fsync"}
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= synced
+    assert ("fsync", "gguf") in events[renamed:] and out is not None

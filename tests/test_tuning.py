@@ -264,3 +264,39 @@ def test_a_table_written_before_the_renaming_still_loads(tmp_path):
     path = tmp_path / "old.json"
     path.write_text(json.dumps(old))
     assert AcceptanceTable.load(path) == shipped_table("smollm2") and shipped_table("smollm2").warps
+
+
+def test_extend_refuses_a_mismatched_table_before_measuring(tiny_dirs, tmp_path, monkeypatch, capsys):
+    import mtad.tuning.table as tables
+
+    monkeypatch.setenv("MTAD_CACHE", str(tmp_path / "cache"))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in TEXTS))
+    pair = ["--draft", tiny_dirs[0], "--target", tiny_dirs[1], "--device", "cpu", "--engine", "eager"]
+    table = tmp_path / "t.json"
+    argv = ["measure", *pair, "--prompts", str(prompts), "--max-new-tokens", "8", "--no-progress", "--out", str(table)]
+    assert tuning_main([*argv, "--greedy-too"]) == 0
+    measured = []
+    monkeypatch.setattr(tables, "measure", lambda *a, **k: measured.append(a) or pytest.fail("measured"))
+    for other in (["--seeds", "1"], ["--seeds", "1", "--greedy-too", "--max-new-tokens", "9"]):
+        assert tuning_main([*argv, "--extend", *other]) == 2  # one warp of two; another budget
+    err = capsys.readouterr().err
+    assert "the other table has no figures for greedy" in err and "different max_new_tokens: 8, 9" in err
+    assert not measured
+
+
+def test_a_table_that_fails_to_save_leaves_the_old_one_whole(tmp_path, monkeypatch):
+    import mtad.tuning.table as tables
+
+    path = tmp_path / "acceptance.json"
+    old = AcceptanceTable("tiny", "p.jsonl", 8, [0], "float32", "2026-12-01", None)
+    old.save(path)
+    before = path.read_text()
+
+    def full_disk(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tables.os, "fsync", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        AcceptanceTable("tiny", "p.jsonl", 8, [0, 1], "float32", "2026-12-02", None).save(path)
+    assert path.read_text() == before and [p.name for p in tmp_path.iterdir()] == ["acceptance.json"]

@@ -179,6 +179,11 @@ def kaleido_available() -> bool:
     return importlib.util.find_spec("kaleido") is not None
 
 
+def figure_names() -> list[str]:
+    """Every figure :func:`save_sweep_figures` can write, without its extension."""
+    return [name for name, _ in SWEEPS.values()] + [FIGURE1]
+
+
 def save_sweep_figures(
     aggregates: Sequence[dict], out: Path, subtitle: str = "", plotlyjs: str = "inline"
 ) -> list[Path]:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from mtad.bench.plots import ar_row, figure1_series, save_sweep_figures
+from mtad.bench.plots import ar_row, figure1_series, figure_names, save_sweep_figures
 from mtad.bench.run import BenchResult
 from mtad.decoding.context_bias import described
 from mtad.decoding.fused import fused_enabled
@@ -258,6 +258,19 @@ def write_csv(path: Path, rows: Sequence[dict]) -> None:
             )
 
 
+OUTPUTS = ("bench.json", "runs.csv", "summary.csv", "table.txt")
+
+
+def remove_earlier_outputs(out: Path) -> list[Path]:
+    """Delete the files a bench writes (its JSON, CSVs, table and every figure it can draw) from ``out``; the
+    paths removed. Anything else in the folder stays."""
+    names = [*OUTPUTS, *(f"{figure}.{ext}" for figure in figure_names() for ext in ("html", "png"))]
+    stale = [out / name for name in names if (out / name).is_file()]
+    for path in stale:
+        path.unlink()
+    return stale
+
+
 def write_outputs(
     out: Path,
     env: dict,
@@ -267,8 +280,11 @@ def write_outputs(
     table: str,
     plotlyjs: str = "inline",
 ) -> list[Path]:
-    """bench.json, runs.csv, summary.csv, table.txt and the sweep figures; returns the paths written."""
+    """bench.json, runs.csv, summary.csv, table.txt and the sweep figures; returns the paths written. What an
+    earlier bench wrote into ``out`` goes first (its files only, by name): a figure this run does not draw must
+    not stand beside its figures as if it did."""
     out.mkdir(parents=True, exist_ok=True)
+    remove_earlier_outputs(out)
     doc = {
         "environment": env,
         "config": config,

@@ -9,7 +9,7 @@ all run a method through :func:`decode` or :func:`generate`; docs/extending.md s
 from __future__ import annotations
 
 from mtad.decoding import autoregressive, bild, hf_assisted, mtad, mtad_tree, mtjd, specinfer, spectr, speculative
-from mtad.decoding.loop import check_fits, decode, encode_prompt, refusal
+from mtad.decoding.loop import check_fits, check_prompt_text, decode, encode_prompt, refusal
 from mtad.decoding.precompile import warm_up
 from mtad.decoding.rules import mtad_accept_length, mtad_passes
 from mtad.decoding.spec import Decoder, MethodSpec, check, register, registry
@@ -24,6 +24,7 @@ DECODERS: dict[str, MethodSpec] = registry()
 """Every registered method by name (the registry itself, so a method registered later is in it too)."""
 
 __all__ = [
+    "check_prompt_text",
     "DECODERS",
     "Decoder",
     "MethodSpec",

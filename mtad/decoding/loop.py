@@ -22,11 +22,26 @@ def check_fits(pair: ModelPair, n_prompt: int, settings: Settings) -> None:
         )
 
 
+def check_prompt_text(prompt: object) -> None:
+    """ValueError unless ``prompt`` is non-empty text that UTF-8 can encode: a lone surrogate (a broken copy and
+    paste, or a command-line byte that is not UTF-8) would otherwise fail inside the tokenizer."""
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ValueError("the prompt is empty: type some text to continue")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        code = ord(prompt[exc.start])
+        raise ValueError(
+            f"the prompt holds a character that is not text (U+{code:04X}, a lone surrogate, at character "
+            f"{exc.start + 1:,}): often what is left of a broken copy and paste or of bytes that are not UTF-8; "
+            "remove it or paste the text again"
+        ) from None
+
+
 def encode_prompt(pair: ModelPair, prompt: str, settings: Settings, raw: bool = False) -> list[int]:
     """Tokenise a prompt (one user turn of a chat pair's template unless ``raw``) after checking
     it is non-empty and fits the context."""
-    if not isinstance(prompt, str) or not prompt.strip():
-        raise ValueError("the prompt is empty: type some text to continue")
+    check_prompt_text(prompt)
     ids = pair.encode(prompt, raw=raw)
     if not ids:
         raise ValueError("the prompt has no tokens")

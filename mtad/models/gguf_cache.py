@@ -51,16 +51,62 @@ def remove_mtime_keyed(gguf: Path) -> list[Path]:
     return stale
 
 
+PARTIAL = ".partial-"
+"""The prefix of a copy being written: ``.partial-<pid>-<random>``, renamed into place once complete."""
+
+
+def remove_partials(folder: Path) -> list[Path]:
+    """Delete the half-written copies in ``folder`` whose writer is gone (killed, or its disk filled up before
+    it could clean up); a writer still running keeps its own. The paths removed."""
+    stale = []
+    for path in folder.glob(f"{PARTIAL}*") if folder.is_dir() else []:
+        pid = path.name[len(PARTIAL) :].split("-")[0]
+        if not (pid.isdigit() and int(pid) != os.getpid() and alive(int(pid))):
+            shutil.rmtree(path, ignore_errors=True)
+            stale.append(path)
+    return stale
+
+
+def alive(pid: int) -> bool:
+    """True when a process of this id runs on this machine."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sync_tree(folder: Path) -> None:
+    """Flush every file of ``folder``, then the folder itself, to the disk: a copy renamed into place after this
+    is whole even after a power cut (a truncated ``model.safetensors`` would otherwise be trusted for ever)."""
+    for path in [*sorted(p for p in folder.rglob("*") if p.is_file()), folder]:
+        sync(path)
+
+
+def sync(path: Path) -> None:
+    """``fsync`` one file or folder (a folder's entries: a rename in it is then on the disk too)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def materialize(gguf: Path) -> Path | None:
     """The cached transformers directory for ``gguf``, written on first use; None when the cache
-    cannot be written (read-only home, full disk): the caller then loads the GGUF file directly."""
+    cannot be written (read-only home, full disk): the caller then loads the GGUF file directly. A copy is
+    written under a ``.partial-*`` name, flushed to disk and renamed into place, so a reader only ever finds a
+    whole one; half-written copies left by a writer that died are removed first."""
     out = cached_dir(gguf)
     if (out / "model.safetensors").is_file():
         return out
     tmp = None
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".partial-"))
+        remove_partials(out.parent)
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f"{PARTIAL}{os.getpid()}-"))
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         config = model.config
@@ -69,9 +115,11 @@ def materialize(gguf: Path) -> Path | None:
         model.generation_config.save_pretrained(tmp)
         save_model(model, str(tmp / "model.safetensors"))
         tok.save_pretrained(tmp)
+        sync_tree(tmp)
         tmp.rename(out)  # atomic: a concurrent or interrupted writer never leaves a half directory
+        sync(out.parent)
         remove_mtime_keyed(gguf)
-    except OSError:  # unwritable cache, or another process renamed its copy first
+    except Exception:  # noqa: BLE001 - unwritable cache, a full disk (safetensors raises its own error), or another process renamed its copy first
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
         return out if (out / "model.safetensors").is_file() else None

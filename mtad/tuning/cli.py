@@ -89,7 +89,7 @@ def run_measure(args: argparse.Namespace) -> int:
     from mtad.decoding.precompile import warm_up_pair
     from mtad.models.presets import default_pair_name
     from mtad.prompts import read_prompts
-    from mtad.tuning.table import GAMMAS, AcceptanceTable, measure, table_path
+    from mtad.tuning.table import GAMMAS, AcceptanceTable, blank, measure, table_path
 
     base = base_settings(args)
     warps = [base] + ([base.with_(greedy=True)] if args.greedy_too and not base.is_greedy else [])
@@ -105,6 +105,8 @@ def run_measure(args: argparse.Namespace) -> int:
             f"{out} already holds seed(s) {sorted(set(seeds) & set(earlier.seeds))}: extend with new seeds"
         )
     pair = load_pair_from_args(args)
+    if earlier is not None:  # the same pair, prompts, budget, dtype and warps, or nothing is measured
+        earlier.merged(blank(pair, prompts, warps, seeds, prompts_name=args.prompts))
     encoded = [encode_prompt(pair, p.text, base.with_(gamma=max(GAMMAS))) for p in prompts]
     if pair.engine == "compiled":
         warm_up_pair(pair, max(GAMMAS) + 1)

@@ -9,6 +9,7 @@ where the pair runs.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -148,9 +149,19 @@ class AcceptanceTable:
         )
 
     def save(self, path: Path | str) -> None:
+        """Write the table atomically: a new file flushed to disk, then renamed over the old one, so that a
+        crash or a full disk leaves the old table whole, never a half-written one."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(asdict(self), indent=1, ensure_ascii=False) + "\n")
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            with tmp.open("w", encoding="utf-8") as fh:
+                fh.write(json.dumps(asdict(self), indent=1, ensure_ascii=False) + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
 
     @classmethod
     def load(cls, path: Path) -> AcceptanceTable:
@@ -198,6 +209,34 @@ def shipped_table(pair_name: str) -> AcceptanceTable | None:
     return AcceptanceTable.load(path) if path is not None else None
 
 
+def blank(
+    pair: ModelPair,
+    prompts: Sequence[Prompt],
+    warps: Sequence[Settings],
+    seeds: Sequence[int],
+    methods: Sequence[str] = METHODS,
+    commit: str | None = None,
+    prompts_name: str = "",
+) -> AcceptanceTable:
+    """The table :func:`measure` will write, every row at zero: what ``--extend`` pools with the table on disk
+    before hours of measuring, so that a mismatch is refused at once."""
+    zero = dict(block_efficiency=0.0, new_tokens=0, target_calls=0)
+    rows = [
+        asdict(Row(c.method, c.gamma, c.beams if c.method == "mtad" else None, **zero)) for c in candidates(methods)
+    ]
+    return AcceptanceTable(
+        pair=pair.name,
+        prompts=prompts_name,
+        max_new_tokens=warps[0].max_new_tokens,
+        seeds=list(seeds),
+        dtype=str(pair.dtype).replace("torch.", ""),
+        date=datetime.now(UTC).isoformat(timespec="seconds"),
+        commit=commit,
+        prompt_ids=[p.id for p in prompts],
+        warps=[{"warp": warp_of(w), "rows": rows} for w in warps],
+    )
+
+
 def measure(
     pair: ModelPair,
     prompts: Sequence[Prompt],
@@ -211,16 +250,8 @@ def measure(
 ) -> AcceptanceTable:
     """Run every candidate under every warp on ``prompts`` through the bench's runner and keep each one's
     pooled block efficiency (new tokens over target calls, ``mtad.metrics.pool``)."""
-    table = AcceptanceTable(
-        pair=pair.name,
-        prompts=prompts_name,
-        max_new_tokens=warps[0].max_new_tokens,
-        seeds=list(seeds),
-        dtype=str(pair.dtype).replace("torch.", ""),
-        date=datetime.now(UTC).isoformat(timespec="seconds"),
-        commit=commit,
-        prompt_ids=[p.id for p in prompts],
-    )
+    table = blank(pair, prompts, warps, seeds, methods, commit, prompts_name)
+    table.warps.clear()
     for warp in warps:
         cases = [Case(c.settings(warp).validate()) for c in candidates(methods)]
         result = run_bench(pair, cases, prompts, encoded, seeds, repeats=1, warmup=0, progress=progress)

@@ -3,12 +3,10 @@
 
 from __future__ import annotations
 
-from html import escape
-
 import gradio as gr
 
 from mtad.ui import tokens
-from mtad.ui.outputs import lane_box, message_html
+from mtad.ui.outputs import lane_box, markdown_text, message_html
 from mtad.ui.pickers import DEFAULT_RACE, shown_race
 from mtad.ui.record import RunRecord
 from mtad.ui.state import PAGE, session_of
@@ -28,7 +26,7 @@ def waiting_outputs(session: str, race: tuple[str, str] = DEFAULT_RACE) -> tuple
         lanes = [
             tokens.placeholder_html(m, "Not queued: the queue was full. Press Run to try again.") for m in (*race, "ar")
         ]
-        return message_html(text), f"Not run: {escape(text)}", *lanes, False
+        return message_html(text), f"Not run: {markdown_text(text)}", *lanes, False
     if place.position <= 1:
         return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), True
     lanes = [tokens.placeholder_html(m, text, state="line") for m in (*race, "ar")]
@@ -44,7 +42,7 @@ def full_outputs(session: str, race: tuple[str, str]) -> tuple | None:
     lanes = [
         tokens.placeholder_html(m, "Not queued: the queue was full. Press Run to try again.") for m in (*race, "ar")
     ]
-    return message_html(text), f"Not run: {escape(text)}", *lanes
+    return message_html(text), f"Not run: {markdown_text(text)}", *lanes
 
 
 def arm(left: str, right: str, request: gr.Request) -> tuple:
@@ -56,6 +54,12 @@ def arm(left: str, right: str, request: gr.Request) -> tuple:
     full = full_outputs(session, race)
     if full is not None:
         return *full, gr.Timer(active=False)
+    if PAGE.line.busy(session):  # Gradio queues no second run for this page while its first is queued or going
+        text = (
+            "your previous run is still queued or running, so this press started nothing: wait for it to end, "
+            "or press Stop, then Run again"
+        )
+        return message_html(text, kind="info"), *(gr.skip(),) * 4, gr.Timer(active=False)
     PAGE.cancels.arm(session)
     PAGE.line.join(session)
     return _tick(session, left, right, cleared=True)
@@ -97,7 +101,7 @@ def stop(left: str, right: str, request: gr.Request) -> tuple:
         note = "Stopped while waiting: press Run to queue again."
         lanes = [tokens.placeholder_html(m, note) for m in (*shown_race(left, right), "ar")]
         text = "Stopped while waiting in the queue: the run left the queue and will not start."
-        return message_html(text, kind="stop"), escape(text), *lanes, gr.Timer(active=False)
+        return message_html(text, kind="stop"), markdown_text(text), *lanes, gr.Timer(active=False)
     text = "Stop pressed: the run ends after the iteration in progress; later lanes do not start."
     return message_html(text, kind="stop"), *(gr.skip(),) * 5
 

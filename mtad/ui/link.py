@@ -13,6 +13,7 @@ from mtad.ui.form import FIELDS
 from mtad.ui.outputs import message_html
 from mtad.ui.pickers import pair_choices
 from mtad.ui.record import LABELS, RunRecord, nearest_iteration
+from mtad.ui.run import max_prompt_chars
 
 LINK_KEYS = {  # query parameter -> the run's settings key (also the run form's field)
     "tau": "tau",
@@ -74,8 +75,9 @@ def from_query(current_pair: str | None, request: gr.Request) -> tuple:
     pair_out = gr.update(choices=choices, value=pair if pair in names else (names[0] if names else None))
     outs = {name: gr.skip() for name in FIELDS}
     outs["pair_name"] = pair_out
-    if "prompt" in q:
-        outs["prompt"] = gr.update(value=q["prompt"][:20_000])
+    too_long = "prompt" in q and len(q["prompt"]) > max_prompt_chars()
+    if "prompt" in q and not too_long:
+        outs["prompt"] = gr.update(value=q["prompt"])
     for key, name in LINK_KEYS.items():
         if key in q:
             value = q[key]
@@ -98,7 +100,13 @@ def from_query(current_pair: str | None, request: gr.Request) -> tuple:
         except ValueError:
             wanted = {"lane": q.get("lane"), "it": 1}
     message = gr.skip()
-    if "prompt" in q:
+    if too_long:
+        message = message_html(
+            f"the link's prompt is {len(q['prompt']):,} characters long; this server takes at most "
+            f"{max_prompt_chars():,}, so it was not put in the prompt box",
+            kind="refused",
+        )
+    elif "prompt" in q:
         it = f" and the panel opens at iteration {wanted['it']}" if wanted else ""
         message = message_html(
             f"Opened from a link: press Run to reproduce that run (same settings and seed){it}.", kind="info"

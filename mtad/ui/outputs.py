@@ -18,6 +18,20 @@ from mtad.ui.record import LaneRecord, RunRecord
 LIVE_TAIL = 60  # iterations a live lane draws; the whole lane is drawn once it ends
 
 
+MARKS = frozenset("\\`*_[]!#|~:.$")
+"""Characters that can start a Markdown construct (a link, an image, emphasis, a heading, a table, LaTeX,
+an autolinked ``https://`` or ``www.``); backslashed, each renders as itself."""
+
+
+def markdown_text(text: str) -> str:
+    """``text`` for a ``gr.Markdown`` (the status line) that renders as exactly these characters, on one line:
+    refusals quote what a visitor typed, which must never become a link, an image or markup."""
+    out = []
+    for c in " ".join(str(text).splitlines()):
+        out.append(escape(c, quote=False) if c in "&<>" else f"\\{c}" if c in MARKS else c)
+    return "".join(out)
+
+
 def message_html(text: str = "", kind: str = "error") -> str:
     """The message area under Run: stays until the next Run (empty when there is nothing to say). ``error``: a
     run that did not start; ``refused``: another request refused (the same look, no "Not run")."""
@@ -134,7 +148,7 @@ def refuse(message: str) -> Iterator[tuple]:
     """Show why a run did not start (it stays on the page, the old status replaced), then end the event. The
     last run's lanes, cards, plots and record stay as they were (Replay and the panel still read them): a
     value typed wrong costs no results."""
-    yield (message_html(message), f"Not run: {escape(message)}", *(gr.skip(),) * (RUN_OUTPUTS - 2))
+    yield (message_html(message), f"Not run: {markdown_text(message)}", *(gr.skip(),) * (RUN_OUTPUTS - 2))
     raise Refused(message)
 
 

@@ -6,12 +6,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 from collections.abc import Iterator
 
 import gradio as gr
 import torch
 
-from mtad.decoding import encode_prompt, refusal
+from mtad.decoding import check_prompt_text, encode_prompt, refusal
 from mtad.decoding.spec import check
 from mtad.models.errors import PairError
 from mtad.models.presets import presets
@@ -28,7 +29,6 @@ from mtad.ui.state import PAGE, session_of
 
 log = logging.getLogger(__name__)
 LIVE_EVERY = 0.3  # seconds between live lane refreshes (a long run must not drown the browser)
-EMPTY_PROMPT = "the prompt is empty: type some text to continue"
 MAX_PROMPT_TOKENS_DEFAULT = 1024
 """Prompt tokens a visitor may send (``MTAD_MAX_PROMPT_TOKENS``; 0: no cap). Each lane reads the whole
 prompt before its first token, so the cap bounds how long one visitor holds the device (docs/bench.md, (f))."""
@@ -42,6 +42,31 @@ def max_prompt_tokens() -> int:
     except ValueError:
         log.warning("MTAD_MAX_PROMPT_TOKENS=%r is not an integer; using %d", raw, MAX_PROMPT_TOKENS_DEFAULT)
         return MAX_PROMPT_TOKENS_DEFAULT
+
+
+MAX_PROMPT_CHARS_DEFAULT = 20_000
+"""Prompt characters a visitor may send (``MTAD_MAX_PROMPT_CHARS``), checked before tokenizing: the token cap
+bounds the device's time, this one the tokenizer's (a megabyte of text took seconds to tokenize)."""
+
+
+def max_prompt_chars() -> int:
+    """The operator's cap on a visitor's prompt characters (``MTAD_MAX_PROMPT_CHARS``, read at every run)."""
+    raw = os.environ.get("MTAD_MAX_PROMPT_CHARS", "")
+    try:
+        return max(1, int(raw)) if raw.strip() else MAX_PROMPT_CHARS_DEFAULT
+    except ValueError:
+        log.warning("MTAD_MAX_PROMPT_CHARS=%r is not an integer; using %d", raw, MAX_PROMPT_CHARS_DEFAULT)
+        return MAX_PROMPT_CHARS_DEFAULT
+
+
+def check_prompt(prompt: object) -> None:
+    """ValueError naming the prompt when it is empty, longer than the operator allows in characters, or not
+    text; cheap checks, made before any tokenizing."""
+    if isinstance(prompt, str) and len(prompt) > (cap := max_prompt_chars()):
+        raise ValueError(
+            f"the prompt is {len(prompt):,} characters long; this server takes at most {cap:,} characters: shorten it"
+        )
+    check_prompt_text(prompt)
 
 
 def check_prompt_length(n_tokens: int) -> None:
@@ -64,8 +89,7 @@ def check_run(
 ) -> tuple[Settings, list[str]]:
     """Everything the run event received, checked (the API can send anything): the settings and the two
     decoders to race; ValueError naming the field."""
-    if not isinstance(prompt, str) or not prompt.strip():
-        raise ValueError(EMPTY_PROMPT)
+    check_prompt(prompt)
     check_pair(pair_name)
     as_bool("AR baseline lane", with_ar)
     chosen = pick_racers(left, right)
@@ -125,9 +149,11 @@ def run_page(request: gr.Request, **form: object) -> Iterator[tuple]:
 
 def _run(session: str, form: RunForm) -> Iterator[tuple]:
     PAGE.line.start(session)
+    cancel = PAGE.cancels.take(session)
     try:
-        yield from _generate(session, form)
+        yield from _generate(form, cancel)
     finally:
+        PAGE.cancels.release(session, cancel)
         PAGE.line.leave(session)
 
 
@@ -137,7 +163,7 @@ def compiled_engine() -> bool:
     return resolve_engine(None) in ("auto", "compiled")
 
 
-def _generate(session: str, form: RunForm) -> Iterator[tuple]:
+def _generate(form: RunForm, cancel: threading.Event) -> Iterator[tuple]:
     prompt, pair_name, with_ar = form.prompt, form.pair_name, form.with_ar
     left, right = form.left, form.right
     race = shown_race(left, right)
@@ -145,7 +171,6 @@ def _generate(session: str, form: RunForm) -> Iterator[tuple]:
         settings, racers = check_run(prompt, pair_name, with_ar, form.settings_values(), left, right)
     except ValueError as exc:
         yield from refuse(str(exc))
-    cancel = PAGE.cancels.take(session)
     if cancel.is_set():
         stopped = message_html("Stopped while waiting in the queue.", kind="stop")
         yield blank_outputs(stopped, "Stopped before start.", race)

@@ -8,8 +8,9 @@ import logging
 import queue
 import threading
 import time
+import traceback
 from collections import OrderedDict, deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -61,16 +62,10 @@ class PairCache:
                 while len(self._pairs) >= self.max_loaded:
                     self._pairs.popitem(last=False)
                     free_device_memory()
-                pair = None
-                try:
-                    pair = load_pair(name)
-                    if pair.engine == "compiled":
-                        pair = warmed_or_eager(pair, name)
-                except torch.cuda.OutOfMemoryError:
-                    pass  # released below: the traceback holds the half-loaded model until the handler ends
-                if pair is None:
+                pair, failure = _load(name)
+                if pair is None:  # nothing of the failed load is referenced any more (its traceback ended)
                     free_device_memory()
-                    raise PairError(f"pair {name!r} does not fit in the GPU's memory; use a smaller pair")
+                    raise PairError(failure)
             self._pairs[name] = pair
             return pair
 
@@ -89,23 +84,40 @@ class PairCache:
         return thread
 
 
-def warmed_or_eager(pair: ModelPair, name: str) -> ModelPair:
-    """``pair`` with every shape the page can ask for compiled before any visitor; where compiling fails (a
-    compiler broken on this machine, or its on-disk cache still failing once emptied), the pair again on the
-    eager engine, with a warning in the log, so that the page keeps serving (slower, and its status line
-    says "eager")."""
+def _load(name: str) -> tuple[ModelPair | None, str]:
+    """(the preset's pair, "") ready to serve, compiled where it can be; (None, why) when it cannot be loaded.
+    Nothing of a failed load survives the return: the caller frees the device's memory next."""
+    try:
+        pair = load_pair(name)
+        if pair.engine != "compiled" or compiled(pair, name):
+            return pair, ""
+        del pair  # the compiled copy goes before the eager one loads: never both in memory
+        free_device_memory()
+        return load_pair(name, engine="eager"), ""
+    except torch.cuda.OutOfMemoryError:
+        return None, f"pair {name!r} does not fit in the GPU's memory; use a smaller pair"
+    except PairError as exc:
+        return None, str(exc)
+    except Exception as exc:  # noqa: BLE001 - a broken file or package: the visitor reads a sentence, the log the rest
+        log.exception("loading the pair %s failed", name)
+        return None, f"pair {name!r} could not be loaded ({type(exc).__name__}: {str(exc)[:200]}); pick another pair"
+
+
+def compiled(pair: ModelPair, name: str) -> bool:
+    """Compile every shape the page can ask for before any visitor; False (with the traceback in the log) where
+    compiling fails (a compiler broken on this machine, or its on-disk cache still failing once emptied): the
+    pair then serves on the eager engine, slower, and its status line says "eager". Running out of memory
+    while compiling is raised: such a pair does not fit."""
     try:
         seconds = warm_up_pair(pair, int(PARAMS["gamma"].widget_range[1]) + 1)
     except torch.cuda.OutOfMemoryError:
         raise
-    except Exception as exc:  # noqa: BLE001 - whatever the compiler raises, the page must go on
-        lines = [line for line in str(exc).splitlines() if line.strip()]
-        log.warning("compiling %s failed (%s: %s); it runs on the eager engine", name, type(exc).__name__, lines[-1:])
-        del pair
-        gc.collect()
-        return load_pair(name, engine="eager")
+    except Exception:  # noqa: BLE001 - whatever the compiler raises, the page must go on
+        # the traceback as text: a log record that kept the exception would keep the compiled pair alive
+        log.warning("compiling %s failed; it runs on the eager engine\n%s", name, traceback.format_exc())
+        return False
     log.info("compiled the models of %s in %.0f s", name, seconds)
-    return pair
+    return True
 
 
 def free_device_memory() -> None:
@@ -118,6 +130,7 @@ def free_device_memory() -> None:
 
 ACTIVE: set[threading.Thread] = set()
 HISTORY: deque[tuple[str, str, int]] = deque(maxlen=16)  # (method, final state, steps) of recent lanes
+WORKER_LOST = "the lane ended without a result (an error in the server; its log has the details)"
 
 
 def energy_tools(device: torch.device) -> tuple[object | None, object | None, str]:
@@ -136,7 +149,7 @@ class LaneWorker(threading.Thread):
 
     Events: ("compiling",) when the compiled engine first meets these settings' shapes (compiled untimed,
     before the clock), ("started", LaneEnergy without readings), ("step", Step, wall_seconds_since_start),
-    ("end", state, error, LaneEnergy).
+    and always, last, ("end", state, error, LaneEnergy), whatever the decoder, the meter or the sampler raised.
     """
 
     def __init__(self, pair: ModelPair, prompt_ids: list[int], settings: Settings, cancel: threading.Event) -> None:
@@ -144,6 +157,7 @@ class LaneWorker(threading.Thread):
         self.pair, self.prompt_ids, self.settings, self.cancel = pair, prompt_ids, settings, cancel
         self.events: queue.Queue = queue.Queue()
         self.sampler: object | None = None
+        self.ended = False
 
     def live_samples(self) -> list[tuple[float, float]]:
         """Power samples so far (empty without a sampler)."""
@@ -157,13 +171,21 @@ class LaneWorker(threading.Thread):
         try:
             with DEVICE_LOCK:
                 self._decode()
+        except BaseException as exc:  # noqa: BLE001 - outside the decoder's own guard: still an end event
+            log.exception("lane %s failed", self.settings.method)
+            if not self.ended:
+                self._end("error", internal_error(exc), LaneEnergy(reason="no reading: the lane failed"))
         finally:
             ACTIVE.discard(self)
+
+    def _end(self, state: str, error: str | None, energy: LaneEnergy) -> None:
+        self.ended = True
+        self.events.put(("end", state, error, energy))
 
     def _decode(self) -> None:
         meter, sampler, reason = energy_tools(self.pair.device)
         energy = LaneEnergy(available=meter is not None, reason=reason or "")
-        state, error, n, started = "done", None, 0, False
+        state, error, n, metering = "done", None, 0, False
         try:
             if not self.cancel.is_set() and needs_warm_up(self.pair, self.settings):
                 self.events.put(("compiling",))
@@ -172,11 +194,11 @@ class LaneWorker(threading.Thread):
                 state = "stopped"
             else:
                 self.events.put(("started", LaneEnergy(available=energy.available, reason=energy.reason)))
-                started, self.sampler = True, sampler
                 if meter is not None:
-                    meter.start()
-                if self.sampler is not None:
-                    self.sampler.start()
+                    metering = guarded(meter.start, "energy meter")[0]
+                    energy.note = None if metering else METER_FAILED
+                if sampler is not None and guarded(sampler.start, "power sampler")[0]:
+                    self.sampler = sampler
                 t0 = time.perf_counter()
                 for step in decode(self.pair, self.prompt_ids, self.settings):
                     self.events.put(("step", step, time.perf_counter() - t0))
@@ -188,20 +210,42 @@ class LaneWorker(threading.Thread):
             state, error = "error", OOM_MESSAGE  # memory is released below, once the traceback is gone
         except ValueError as exc:
             state, error = "error", str(exc)
-        except Exception as exc:  # noqa: BLE001 - the visitor gets a message, the log gets the traceback
+        except BaseException as exc:  # noqa: BLE001 - the visitor gets a message, the log gets the traceback
             log.exception("decoding failed")
-            state, error = "error", f"internal error while decoding ({type(exc).__name__}); see the server log"
+            state, error = "error", internal_error(exc)
         finally:
             if error == OOM_MESSAGE:
                 free_device_memory()
-            if started and meter is not None:
-                reading = meter.stop()
-                energy.joules, energy.note, energy.source = reading.joules, reading.note, reading.source
-            if started and self.sampler is not None:
-                self.sampler.stop()
+            if metering:
+                ok, reading = guarded(meter.stop, "energy meter")
+                if ok:
+                    energy.joules, energy.note, energy.source = reading.joules, reading.note, reading.source
+                else:
+                    energy.note = METER_FAILED
+            if self.sampler is not None:
+                guarded(self.sampler.stop, "power sampler")
                 energy.samples = self.live_samples()
             HISTORY.append((self.settings.method, state, n))
-            self.events.put(("end", state, error, energy))
+            self._end(state, error, energy)
+
+
+def internal_error(exc: BaseException) -> str:
+    """What a visitor reads when a lane fails for a reason of the server's own (its log has the traceback)."""
+    return f"internal error while decoding ({type(exc).__name__}); see the server log"
+
+
+METER_FAILED = "the energy meter failed during the lane, so no energy figure is given"
+
+
+def guarded(call: Callable[[], object], what: str) -> tuple[bool, object]:
+    """(True, ``call()``'s result), or (False, None) with one line in the log when the meter or the sampler
+    fails (a counter file that turned unreadable, NVML gone, a CUDA error its synchronisation re-raised):
+    energy is a figure beside the tokens, never a reason for a lane to fail or hang."""
+    try:
+        return True, call()
+    except Exception as exc:  # noqa: BLE001
+        log.warning("the %s failed (%s: %s); this lane has no energy figure", what, type(exc).__name__, exc)
+        return False, None
 
 
 def run_lanes(
@@ -222,6 +266,8 @@ def run_lanes(
             yield record
             while not lane.finished:
                 changed = _drain(worker, lane, pair.tokenizer, interval)
+                if not lane.finished and not worker.is_alive() and worker.events.empty():
+                    lane.state, lane.error, changed = "error", WORKER_LOST, True  # died without its end event
                 if lane.finished or (changed and time.perf_counter() - last >= interval):
                     if worker.sampler is not None and not lane.finished:
                         lane.energy.samples = worker.live_samples()

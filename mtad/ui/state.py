@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from mtad.ui.runner import PairCache
@@ -13,40 +14,62 @@ from mtad.ui.waiting import WaitingLine
 
 
 class CancelRegistry:
-    """One Stop flag per browser session: armed when Run is pressed, set by Stop or a closed tab."""
+    """The Stop flags of each browser session's runs: one armed when Run is pressed (so Stop reaches the run
+    while it is queued), one per run going. Stop sets every flag of the session, so it reaches every run the
+    session started, whichever press queued it. At most ``max_sessions`` armed flags are kept (the oldest go
+    first): session keys come from clients, and a flag whose run never came must not stay for ever."""
 
-    def __init__(self) -> None:
-        self._flags: dict[str, tuple[threading.Event, bool]] = {}
+    def __init__(self, max_sessions: int = 4096) -> None:
+        self.max_sessions = max_sessions
+        self._armed: OrderedDict[str, threading.Event] = OrderedDict()
+        self._running: dict[str, set[threading.Event]] = {}
         self._lock = threading.Lock()
 
     def arm(self, session: str) -> threading.Event:
-        """A fresh flag for the session's next run (set it to stop that run even while it is queued)."""
+        """A fresh flag for the run a Run press queues (the page asks only when no run of the session is queued
+        or going: a second press must neither hide the first run from Stop nor undo a Stop already pressed)."""
         with self._lock:
             ev = threading.Event()
-            self._flags[session] = (ev, False)
+            self._armed[session] = ev
+            self._armed.move_to_end(session)
+            while len(self._armed) > self.max_sessions:
+                self._armed.popitem(last=False)
             return ev
 
     def take(self, session: str) -> threading.Event:
-        """The flag a starting run watches: the armed one if unused, else a fresh one."""
+        """The flag a starting run watches until :meth:`release`: the one armed for it, else a fresh one (an
+        API run is queued without a press)."""
         with self._lock:
-            ev, used = self._flags.get(session, (None, True))
-            if ev is None or used:
-                ev = threading.Event()
-            self._flags[session] = (ev, True)
+            ev = self._armed.pop(session, None) or threading.Event()
+            self._running.setdefault(session, set()).add(ev)
             return ev
 
-    def stop(self, session: str) -> bool:
-        """Set the session's flag; True if there was one."""
+    def release(self, session: str, ev: threading.Event) -> None:
+        """The run watching ``ev`` ended: Stop no longer has anything of it to stop."""
         with self._lock:
-            entry = self._flags.get(session)
-        if entry is None:
-            return False
-        entry[0].set()
-        return True
+            flags = self._running.get(session)
+            if flags is not None:
+                flags.discard(ev)
+                if not flags:
+                    del self._running[session]
+
+    def stop(self, session: str) -> bool:
+        """Set every flag of the session's queued and running runs; True if there was one."""
+        with self._lock:
+            flags = [*self._running.get(session, ()), *([self._armed[session]] if session in self._armed else [])]
+        for ev in flags:
+            ev.set()
+        return bool(flags)
 
     def forget(self, session: str) -> None:
+        """A closed tab: its armed flag goes (its runs release their own)."""
         with self._lock:
-            self._flags.pop(session, None)
+            self._armed.pop(session, None)
+
+    def __len__(self) -> int:
+        """Sessions holding a flag (armed or running)."""
+        with self._lock:
+            return len(set(self._armed) | set(self._running))
 
 
 @dataclass
@@ -64,5 +87,10 @@ PAGE = PageState()
 
 
 def session_of(request: object | None) -> str:
-    """The browser session an event came from (``"api"`` for an API client without one)."""
-    return (getattr(request, "session_hash", None) if request is not None else None) or "api"
+    """The browser session an event came from (``"api"`` for an API client without one), at most
+    ``SESSION_KEY_CHARS`` characters of it: the client chooses it, and the page keeps state per key."""
+    session = (getattr(request, "session_hash", None) if request is not None else None) or "api"
+    return str(session)[:SESSION_KEY_CHARS]
+
+
+SESSION_KEY_CHARS = 64

@@ -9,12 +9,14 @@ pair, so the page says how long the current run has been going instead.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 DEVICE = "device"  # the concurrency id of every run event (app.py)
+PAGE_RUN = "run_page"  # the name of the page's Run handler (mtad.ui.run.run_page): one per page at a time
 GRACE = 3.0  # seconds a pressed Run may take to reach Gradio's queue before it counts as refused
 
 
@@ -27,6 +29,7 @@ class Jobs:
     active: list[str] = field(default_factory=list)  # sessions of the device jobs running now
     size: int = 0  # queued jobs of any kind: what Gradio's max_size counts
     max_size: int | None = None
+    page_runs: list[str] = field(default_factory=list)  # sessions of the page's Run jobs, queued or running
 
     @property
     def full(self) -> bool:
@@ -51,6 +54,7 @@ def gradio_jobs(blocks: object, concurrency_id: str = DEVICE) -> Jobs | None:
         active=[e.session_hash for e in running],
         size=len(q),
         max_size=q.max_size,
+        page_runs=[e.session_hash for e in [*events, *running] if getattr(e.fn, "name", None) == PAGE_RUN],
     )
 
 
@@ -134,6 +138,15 @@ class WaitingLine:
         api = sum(a for _, a in queued)
         return Place(n_running + len(queued) + 1, n_running + len(queued) + 1, running_for, api, state, jobs.max_size)
 
+    def busy(self, session: str) -> bool:
+        """True while a page Run of the session is queued or running (in Gradio's queue, else the page's own
+        Run presses): a Run press then queues nothing new (Gradio's "once" rule)."""
+        jobs = self.jobs() if self.jobs is not None else None
+        if jobs is not None:
+            return session in jobs.page_runs
+        with self._lock:
+            return session in self._waiting or session in self._running
+
     def must_wait(self, session: str) -> bool:
         """True when a run holds the device or someone joined before this session."""
         p = self.place(session)
@@ -169,3 +182,70 @@ def full_text(jobs: Jobs) -> str:
         f"the queue is full ({jobs.size} {runs} waiting, the most this server keeps): your run was not queued "
         "and nothing is waiting for you. Press Run again in a while"
     )
+
+
+JOBS_PER_SESSION_DEFAULT = 2  # a page's run and its "Fastest", or an API client's run and the next
+JOBS_PER_ADDRESS_DEFAULT = 4  # a few tabs or people behind one address
+
+
+def per_client_caps() -> tuple[int, int]:
+    """The operator's caps on device jobs queued or running per session and per client address
+    (``MTAD_JOBS_PER_SESSION``, ``MTAD_JOBS_PER_ADDRESS``; 0: no cap), read at every job."""
+    caps = []
+    for name, default in (
+        ("MTAD_JOBS_PER_SESSION", JOBS_PER_SESSION_DEFAULT),
+        ("MTAD_JOBS_PER_ADDRESS", JOBS_PER_ADDRESS_DEFAULT),
+    ):
+        raw = os.environ.get(name, "").strip()
+        caps.append(max(0, int(raw)) if raw.isdigit() else default)
+    return caps[0], caps[1]
+
+
+def address_of(request: object) -> str | None:
+    """The client address of a Gradio event's HTTP request (None where there is none)."""
+    client = getattr(request, "client", None)
+    return getattr(client, "host", None)
+
+
+def client_refusal(jobs: list[tuple[str, str | None]], session: str | None, address: str | None) -> str | None:
+    """Why a new device job of ``session`` from ``address`` is refused, given the (session, address) of every
+    device job queued or running; None when it may join the queue."""
+    per_session, per_address = per_client_caps()
+    mine = sum(1 for s, _ in jobs if s == session)
+    if per_session and session is not None and mine >= per_session:
+        runs = "run" if per_session == 1 else "runs"
+        return (
+            f"this session already has {mine} {runs} queued or running, the most this server takes from one "
+            "session: wait for one to end"
+        )
+    near = sum(1 for _, a in jobs if a == address)
+    if per_address and address is not None and near >= per_address:
+        return (
+            f"your address already has {near} runs queued or running, the most this server takes from one "
+            "address: wait for one to end"
+        )
+    return None
+
+
+def limit_per_client(blocks: object, concurrency_id: str = DEVICE) -> None:
+    """Refuse a device job at the door of Gradio's queue when its session or its client address already has
+    as many queued or running as :func:`per_client_caps` allows, so that one client cannot fill the queue
+    (HTTP 503 with the reason as its detail; a Gradio client reads it as a full queue). Wraps
+    ``Blocks._queue.push``, Gradio 6's one entry to the queue."""
+    q = blocks._queue
+    push = q.push
+
+    async def limited(body: object, request: object, username: str | None) -> tuple:
+        fn_index = getattr(body, "fn_index", None)
+        fn = blocks.fns.get(fn_index) if fn_index is not None else None
+        if fn is not None and fn.concurrency_id == concurrency_id:
+            line = q.event_queue_per_concurrency_id.get(concurrency_id)
+            events = list(line.queue) if line is not None else []
+            events += [e for job in list(q.active_jobs) if job for e in job if e.concurrency_id == concurrency_id]
+            jobs = [(e.session_hash, address_of(e.request)) for e in events]
+            why = client_refusal(jobs, getattr(body, "session_hash", None), address_of(request))
+            if why is not None:
+                return False, why, "queue_full"
+        return await push(body=body, request=request, username=username)
+
+    q.push = limited
