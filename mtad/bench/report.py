@@ -91,10 +91,48 @@ def text_table(header: Sequence[str], body: Sequence[Sequence[str]], left: int, 
     return "\n".join([line(header), "  ".join("-" * w for w in widths), *(line(row) for row in body)])
 
 
+def task_columns(aggregates: Sequence[dict]) -> list[tuple[str, object]]:
+    """A column per task score (``mtad.tasks``), after the repetition column, where the run scored a task."""
+    names = next((list(r["task_scores"]) for r in aggregates if r.get("task_scores")), [])
+
+    def cell(name: str) -> object:
+        return lambda r: fmt(((r.get("task_scores") or {}).get(name) or {}).get("mean"), 1)
+
+    return [(name, cell(name)) for name in names]
+
+
+def task_lines(aggregates: Sequence[dict]) -> list[str]:
+    """Each task score with its interval, then each row's difference to SD's on prompt pairs, saying when its
+    interval includes 0."""
+    out = []
+    for name, _ in task_columns(aggregates):
+        rows = [(r["case"], r["task_scores"][name]) for r in aggregates if (r.get("task_scores") or {}).get(name)]
+        width = max(len(case) for case, _ in rows)
+        out.append(f"{name} (0-100, the mean over the row's runs; 95 % interval, prompts resampled):")
+        out.extend(
+            f"  {case.ljust(width)}  {s['mean']:.1f}  [{s['low']:.1f}, {s['high']:.1f}]  {s['prompts']} prompts"
+            for case, s in rows
+        )
+        gaps = [(r["case"], r["task_vs_sd"][name]) for r in aggregates if (r.get("task_vs_sd") or {}).get(name)]
+        if gaps:
+            out.append(f"{name} minus SD's, paired by prompt, seed and repeat (95 % interval, prompts resampled):")
+            out.extend(
+                f"  {case.ljust(width)}  {g['difference']:+.1f}  [{g['low']:+.1f}, {g['high']:+.1f}]  "
+                + ("includes 0: no difference measured" if g["includes_zero"] else "excludes 0")
+                + f"  ({g['pairs']} pairs, {g['prompts']} prompts)"
+                for case, g in gaps
+            )
+    return out
+
+
 def render_table(aggregates: Sequence[dict], energy_note: str | None = None) -> str:
-    """The paper's Table 4 shape: one row per method and settings, pooled figures; failed rows say why."""
-    header = [name for name, _ in TABLE_COLUMNS]
-    out = [text_table(header, [[cell(r) for _, cell in TABLE_COLUMNS] for r in aggregates], LEFT)]
+    """The paper's Table 4 shape: one row per method and settings, pooled figures (and a task's scores, its
+    Table 6); failed rows say why."""
+    columns = list(TABLE_COLUMNS)
+    at = [name for name, _ in columns].index("rep. 4-grams") + 1
+    columns[at:at] = task_columns(aggregates)
+    header = [name for name, _ in columns]
+    out = [text_table(header, [[cell(r) for _, cell in columns] for r in aggregates], LEFT)]
     common = aggregates[0]["common_prompts"] if aggregates else 0
     out.append(LEGEND.format(common=common))
     for method in dict.fromkeys(r["method"] for r in aggregates):  # where a method's columns read differently
@@ -135,6 +173,7 @@ def render_table(aggregates: Sequence[dict], energy_note: str | None = None) -> 
             f"  {case.ljust(width)}  {g['difference']:+.3f}  [{g['low']:+.3f}, {g['high']:+.3f}]  {g['pairs']} of {g['of']}"
             for case, g in gaps
         )
+    out.extend(task_lines(aggregates))
     for r in aggregates:
         if r["error"]:
             out.append(f"{r['case']} failed after {r['runs']} run(s): {r['error']}")
