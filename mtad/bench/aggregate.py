@@ -12,7 +12,14 @@ import statistics
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import fields
 
-from mtad.metrics import Metrics, acceptance_by_position, perplexity_of, pool, target_call_ratio
+from mtad.metrics import (
+    Metrics,
+    acceptance_by_position,
+    perplexity_of,
+    pool,
+    speed_equation,
+    target_call_ratio,
+)
 
 DRAWS = 10_000
 """Resamples of the prompts behind an interval (a perplexity difference's, a task score's)."""
@@ -165,7 +172,8 @@ def aggregate(
 ) -> list[dict]:
     """One row per case (``cases`` order, then first-seen): the pooled figures, the perplexity over the
     prompts every case finished and its difference to SD's (:func:`perplexity_gap`, over every run and over
-    the runs where neither text loops), a target call's seconds over the AR row's (where there is one AR row),
+    the runs where neither text loops), a target call's seconds over the AR row's and the speed equation
+    (``mtad.metrics.speed_equation``) against it (where there is one AR row),
     per-run ``<metric>_mean``/``_std``, the case's error if it failed, and each of a task's ``scores``
     (:func:`task_score`) with its difference to SD's on prompt pairs (:func:`task_gap`)."""
     failures = failures or {}
@@ -209,4 +217,6 @@ def aggregate(
     ar = [p for p, r in zip(pooled, rows, strict=True) if r["method"] == "ar" and p.target_call_seconds]
     for row, p in zip(rows, pooled, strict=True):  # against the one AR row: a verification over a one-token forward
         row["target_call_vs_ar"] = target_call_ratio(p, ar[0]) if len(ar) == 1 else None
+        equation = speed_equation(p, ar[0]) if len(ar) == 1 else None
+        row["speed_equation"] = equation.to_dict() if equation is not None else None
     return rows

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from mtad.bench.aggregate import aggregate
-from mtad.bench.report import environment, git_commit, render_table, write_outputs
+from mtad.bench.report import environment, git_commit, render_table, weight_read_bound, write_outputs
 from mtad.bench.run import Case, build_cases, run_bench
 from mtad.decoding import encode_prompt, refusal
 from mtad.decoding.precompile import warm_up_pair
@@ -274,12 +274,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         scores=task.score_names if task is not None else (),
     )
     table = render_table(rows, None if meter.available else meter.reason)
+    bound = weight_read_bound(pair, rows)
+    if bound["text"]:
+        table += "\n" + bound["text"]
     if result.interrupted:
         table += f"\ninterrupted: {len(result.records)} runs measured, the table is partial"
     print(table)
     if out is not None:
         env = environment(pair, argv, meter.reason, meter.source, commit)
         env["compile_seconds"] = compile_seconds
+        env["weight_read_bound"] = bound
         env["tuned"] = tuned
         env["prompt_format"] = "chat template, one user turn" if pair.chat and not args.raw else "raw text"
         config = {

@@ -10,6 +10,7 @@ import platform
 import shlex
 import subprocess
 from collections.abc import Sequence
+from dataclasses import fields
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -23,8 +24,9 @@ from mtad.decoding.fused import fused_enabled
 from mtad.decoding.spec import registry, spec_of
 from mtad.decoding.static_lm import products
 from mtad.events import json_safe
-from mtad.metrics import LOOP_REPETITION, REPEAT_N
+from mtad.metrics import LOOP_REPETITION, REPEAT_N, Pooled, versus_weight_read_bound, weight_read_text
 from mtad.models import devices
+from mtad.models.bandwidth import read_bandwidth, weight_bytes
 from mtad.models.devices import capped_isa, device_model
 from mtad.models.pair import ModelPair
 
@@ -153,6 +155,14 @@ def render_table(aggregates: Sequence[dict], energy_note: str | None = None) -> 
             + (f"  {r['target_call_vs_ar']:.2f}×" if r.get("target_call_vs_ar") and r["method"] != "ar" else "")
             for r in calls
         )
+    equations = [r for r in aggregates if r.get("speed_equation")]
+    if equations:
+        out.append(
+            "× AR = tokens a target call ÷ (verification + drafting + rest), each a target call's seconds in AR's"
+            " seconds a token:"
+        )
+        width = max(len(r["case"]) for r in equations)
+        out.extend(f"  {r['case'].ljust(width)}  {r['speed_equation']['text']}" for r in equations)
     gaps = [(r["case"], r["perplexity_vs_sd"]) for r in aggregates if r.get("perplexity_vs_sd")]
     if gaps:
         out.append("perplexity minus SD's over the common prompts (95 % interval, prompts resampled):")
@@ -214,6 +224,26 @@ def figure1_table(aggregates: Sequence[dict]) -> str | None:
             text_table(header, body, 3),
         ]
     )
+
+
+def weight_read_bound(pair: ModelPair, aggregates: Sequence[dict]) -> dict:
+    """The target's weight-read bound on this device (``mtad.models.bandwidth``) and the one AR row's seconds a
+    token against it, with the sentence the table prints (None without one AR row)."""
+    weights = weight_bytes(pair.target)
+    rate = read_bandwidth(pair.device)
+    ar = [r for r in aggregates if r["method"] == "ar" and r.get("new_tokens")]
+    times = (
+        versus_weight_read_bound(Pooled(**{f.name: ar[0][f.name] for f in fields(Pooled)}), weights / rate)
+        if len(ar) == 1
+        else None
+    )
+    return {
+        "target_weight_bytes": weights,
+        "read_bytes_per_second": rate,
+        "seconds_per_token": weights / rate,
+        "ar_times_bound": times,
+        "text": weight_read_text(times, weights, rate) if times is not None else None,
+    }
 
 
 def environment(

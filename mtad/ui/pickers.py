@@ -12,6 +12,8 @@ import transformers
 from mtad.decoding.context_bias import described
 from mtad.decoding.spec import racers
 from mtad.decoding.static_lm import compiles_draft
+from mtad.metrics import versus_weight_read_bound, weight_read_text
+from mtad.models.bandwidth import read_bandwidth, weight_bytes
 from mtad.models.devices import configure_cpu_threads, resolve_device
 from mtad.models.presets import default_pair_name, presets
 from mtad.ui import availability
@@ -136,6 +138,18 @@ def device_text(record: RunRecord) -> str:
     pair = PAGE.pairs.peek(record.pair)
     facts = f" · {pair_facts(pair)}" if pair is not None else ""
     return f"Ran on **{escape(record.device)}** · pair `{record.pair}`{facts}"
+
+
+def bound_text(record: RunRecord) -> str:
+    """The status line's AR lane against the hardware's limit (``mtad.metrics.versus_weight_read_bound``):
+    empty until the AR lane has finished."""
+    pair = PAGE.pairs.peek(record.pair)
+    ar = next((lane for lane in record.lanes.values() if lane.method == "ar" and lane.finished and lane.steps), None)
+    if pair is None or ar is None:
+        return ""
+    weights, rate = weight_bytes(pair.target), read_bandwidth(pair.device)
+    times = versus_weight_read_bound(ar.metrics(), weights / rate)
+    return f" · {weight_read_text(times, weights, rate)}" if times is not None else ""
 
 
 def pair_facts(pair: object) -> str:
