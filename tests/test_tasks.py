@@ -82,6 +82,16 @@ def test_task_files_have_references_a_sidecar_and_no_benchmark_prompt(name):
         assert not any(b in i["prompt"] or i["prompt"] in b for b in benchmark), i["id"]
 
 
+def test_code_summary_is_none_of_the_chat_draft_s_training_prompts():
+    from training.chat_draft import chat_prompts
+
+    trained = chat_prompts(set())
+    assert len(trained) > 1000
+    items = load(TASKS["code-summary"].prompts)
+    assert not any(i["prompt"] in trained or i["prompt"].split("\n")[0] in trained for i in items)
+    assert not any("```python" in t and "def " in t for t in trained)  # no function's code was a training prompt
+
+
 def test_line_completion_comes_only_from_files_the_embedded_pair_held_out():
     heldout = set((ROOT / "assets" / "models" / "heldout_files.txt").read_text().split())
     items = load(TASKS["line-completion"].prompts)
