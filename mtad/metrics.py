@@ -179,6 +179,77 @@ def speedup(run: Metrics, baseline: Metrics) -> float | None:
     return run.tokens_per_second / baseline.tokens_per_second
 
 
+@dataclass(frozen=True)
+class SpeedEquation:
+    """A lane's × AR taken apart: tokens per target call ÷ what a call costs, in units of AR's seconds per token
+    (AR writes one token a call: its one-token call with its bookkeeping). The cost is one verification (the
+    target's forwards, the prompt's read included), the drafting and the rest (bookkeeping), each per target
+    call; all from the runs' own Steps, so the product is the measured × AR (docs/metrics.md)."""
+
+    tokens_per_call: float
+    verification: float
+    drafting: float
+    rest: float
+    measured: float
+
+    @property
+    def cost(self) -> float:
+        """What one target call of this lane costs, with its drafting and rest, in AR's token steps."""
+        return self.verification + self.drafting + self.rest
+
+    @property
+    def product(self) -> float:
+        """tokens per call ÷ cost: the × AR the terms give."""
+        return self.tokens_per_call / self.cost if self.cost > 0 else math.nan
+
+    def text(self) -> str:
+        """The equation with its numbers: ``2.4 tokens a call ÷ (1.7 + 0.4 + 0.1) = 1.09×, measured 1.09×``."""
+        terms = " + ".join(f"{x:.2g}" for x in (self.verification, self.drafting, self.rest))
+        return (
+            f"{self.tokens_per_call:.2g} tokens a call ÷ ({terms}) = {self.product:.2f}×, measured {self.measured:.2f}×"
+        )
+
+    def to_dict(self) -> dict:
+        return json_safe({**asdict(self), "product": self.product, "text": self.text()})
+
+
+def speed_equation(run: Metrics | Pooled, baseline: Metrics | Pooled) -> SpeedEquation | None:
+    """``run``'s :class:`SpeedEquation` against ``baseline`` (the AR lane or row of the same run and device);
+    None when either wrote no token in no time, or ``run`` made no target call."""
+    if not (run.target_calls and run.new_tokens and run.seconds > 0 and baseline.new_tokens and baseline.seconds > 0):
+        return None
+    unit = baseline.seconds / baseline.new_tokens  # AR's seconds per token
+
+    def per_call(seconds: float) -> float:
+        return seconds / run.target_calls / unit
+
+    return SpeedEquation(
+        tokens_per_call=run.new_tokens / run.target_calls,
+        verification=per_call(run.target_seconds),
+        drafting=per_call(run.draft_seconds),
+        rest=per_call(run.other_seconds),
+        measured=(run.new_tokens / run.seconds) / (baseline.new_tokens / baseline.seconds),
+    )
+
+
+def versus_weight_read_bound(ar: Metrics | Pooled, bound_seconds: float | None) -> float | None:
+    """How many times the weight-read bound AR's seconds per token are: AR's seconds per new token ÷ the seconds
+    reading the target's weights once takes on this device (the least a one-token forward can take when memory
+    is the limit); None without either."""
+    if not bound_seconds or not ar.new_tokens or not ar.seconds > 0:
+        return None
+    return ar.seconds / ar.new_tokens / bound_seconds
+
+
+def weight_read_text(times: float, weight_bytes: int, bytes_per_second: float) -> str:
+    """The status line's and the bench's sentence for :func:`versus_weight_read_bound`."""
+    bound = weight_bytes / bytes_per_second
+    return (
+        f"AR at {times:.1f}× the weight-read bound ({weight_bytes / 1e6:.0f} MB of target weights ÷ "
+        f"{bytes_per_second / 1e9:.1f} GB/s read = {bound * 1e3:.2f} ms a token)"
+    )
+
+
 def target_call_ratio(run: Metrics | Pooled, baseline: Metrics | Pooled) -> float | None:
     """``run``'s seconds a target call over ``baseline``'s (AR's one-token forward, on the same device): what a
     verification costs against it, for the page's cards and the bench's rows alike; None when either has no
@@ -197,7 +268,8 @@ def perplexity(target_logprobs: Sequence[float]) -> float:
 @dataclass
 class Pooled:
     """A group of runs (one bench row) as the paper reports it: totals over all its runs, not means of
-    per-run ratios. ``joules_per_token`` pools only the runs with an energy reading (None if none has)."""
+    per-run ratios. ``joules_per_token`` pools only the runs with an energy reading (None if none has); the
+    totals of seconds and target calls feed :func:`speed_equation`."""
 
     runs: int
     new_tokens: int
@@ -210,6 +282,11 @@ class Pooled:
     metered_runs: int
     repetition: float | None = None
     target_call_seconds: float | None = None
+    seconds: float = 0.0
+    target_calls: int = 0
+    draft_seconds: float = 0.0
+    target_seconds: float = 0.0
+    other_seconds: float = 0.0
 
     def to_dict(self) -> dict:
         return json_safe(asdict(self))
@@ -247,4 +324,9 @@ def pool(runs: Sequence[Metrics]) -> Pooled:
         metered_runs=len(metered),
         repetition=sum(m.repeated_ngrams for m in runs) / grams if (grams := sum(m.ngrams for m in runs)) else None,
         target_call_seconds=sum(m.later_target_seconds for m in runs) / later_calls if later_calls else None,
+        seconds=seconds,
+        target_calls=calls,
+        draft_seconds=sum(m.draft_seconds for m in runs),
+        target_seconds=sum(m.target_seconds for m in runs),
+        other_seconds=sum(m.other_seconds for m in runs),
     )

@@ -13,11 +13,13 @@ class PromptFileError(ValueError):
 
 @dataclass(frozen=True)
 class Prompt:
-    """One benchmark prompt: an id, a category (may be empty) and the text."""
+    """One benchmark prompt: an id, a category (may be empty) and the text; a task's prompt also has the
+    reference its reply is scored against (``mtad.tasks``)."""
 
     id: str
     category: str
     text: str
+    reference: str | None = None
 
 
 def read_prompts(path: str | Path, limit: int | None = None, skip_invalid: bool = False) -> list[Prompt]:
@@ -69,7 +71,10 @@ def _parse_line(path: Path, number: int, line: str) -> Prompt:
             f'{where} has no prompt: expected a non-empty string field "prompt" or a Spec-Bench "turns" list of strings'
         )
     pid = obj.get("id", obj.get("question_id", number))
-    return Prompt(id=str(pid), category=str(obj.get("category") or ""), text=text)
+    reference = obj.get("reference")
+    if reference is not None and not isinstance(reference, str):
+        raise PromptFileError(f'{where}: "reference" must be a string; got a JSON {type(reference).__name__}')
+    return Prompt(id=str(pid), category=str(obj.get("category") or ""), text=text, reference=reference)
 
 
 def _prompt_text(obj: dict) -> str | None:

@@ -116,3 +116,16 @@ def test_verify_panel_shows_every_candidate(tiny_pair, method: str) -> None:  # 
     record = RunRecord(pair="tiny", device="cpu", prompt="abc de", settings=settings.to_dict(), lanes={method: lane})
     record.lanes["sd"] = LaneRecord(method="sd", prompt_ids=ids)
     assert panel.lane_choices(record) == [(lane.label, method), ("Speculative decoding", "sd")]
+
+
+def test_the_status_line_puts_the_ar_lane_against_the_weight_read_bound(tiny_presets) -> None:  # noqa: ANN001
+    """AR's seconds a token over the target's weight bytes ÷ this machine's read bandwidth, once AR has run."""
+    from mtad.models.bandwidth import read_bandwidth, weight_bytes
+
+    final = run_page(with_ar=True)
+    status, lane = final[1], final[-1]["lanes"]["ar"]
+    pair = PAGE.pairs.get("tiny")
+    seconds_a_token = sum(s["seconds"] for s in lane["steps"]) / len(lane["new_ids"])
+    bound = weight_bytes(pair.target) / read_bandwidth(pair.device)
+    assert f"AR at {seconds_a_token / bound:.1f}× the weight-read bound" in status
+    assert "weight-read bound" not in run_page(with_ar=False)[1]  # no AR lane: nothing to put against it

@@ -1156,3 +1156,33 @@ def test_out_into_an_earlier_bench_s_folder_leaves_no_stale_figure(tiny_dirs, pr
     assert "tau_sweep.html" not in names and "tau_sweep.png" not in names and "figure1_mtjd.html" not in names
     assert "gamma_sweep.html" in names and (out / "notes.md").read_text() == "from an earlier bench"
     assert (out / "runs.csv").read_text() != "from an earlier bench"
+
+
+def test_each_row_s_speed_equation_is_its_measured_speed_over_ar_s(sweep_run):
+    """The bench's equation per row, from the pooled runs: its product is the row's tokens/s over the AR row's
+    within 5 % (it is an identity over the same Steps), and the table writes it out."""
+    rows = sweep_run["data"]["aggregates"]
+    (ar,) = [r for r in rows if r["method"] == "ar"]
+    table = (sweep_run["out"] / "table.txt").read_text()
+    for r in rows:
+        eq = r["speed_equation"]
+        assert eq["product"] == pytest.approx(r["tokens_per_second"] / ar["tokens_per_second"], rel=0.05)
+        assert eq["tokens_per_call"] == pytest.approx(r["block_efficiency"])
+        assert eq["verification"] == pytest.approx(
+            r["target_seconds"] / r["target_calls"] * ar["new_tokens"] / ar["seconds"]
+        )
+        assert f"  {eq['text']}" in table
+    assert "× AR = tokens a target call ÷ (verification + drafting + rest)" in table
+
+
+def test_the_environment_and_table_put_ar_against_the_weight_read_bound(sweep_run, tiny_pair):
+    from mtad.models.bandwidth import weight_bytes
+
+    bound = sweep_run["data"]["environment"]["weight_read_bound"]
+    (ar,) = [r for r in sweep_run["data"]["aggregates"] if r["method"] == "ar"]
+    assert bound["target_weight_bytes"] == weight_bytes(tiny_pair.target) > 0
+    assert bound["read_bytes_per_second"] > 1e8
+    assert bound["seconds_per_token"] == pytest.approx(bound["target_weight_bytes"] / bound["read_bytes_per_second"])
+    assert bound["ar_times_bound"] == pytest.approx(ar["seconds"] / ar["new_tokens"] / bound["seconds_per_token"])
+    assert bound["text"].startswith(f"AR at {bound['ar_times_bound']:.1f}× the weight-read bound")
+    assert bound["text"] in (sweep_run["out"] / "table.txt").read_text()

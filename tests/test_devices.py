@@ -3,6 +3,7 @@ capabilities are faked where the code asks torch for them; the models are real a
 
 from __future__ import annotations
 
+import json
 import types
 
 import pytest
@@ -284,3 +285,31 @@ def test_bf16_asked_for_on_a_cpu_without_native_bf16_runs_and_says_so(
                  "--prompt", "abc", "--max-new-tokens", "4", "--method", "mtad"])  # fmt: skip
     assert code == 0
     assert "no native bf16" in capsys.readouterr().err
+
+
+def test_weight_bytes_count_what_a_forward_reads(tiny_pair):
+    """Every weight once: a tied embedding is the output head's matrix, an untied input table is read one row
+    at a time and left out."""
+    from mtad.models.bandwidth import weight_bytes
+
+    model = tiny_pair.target
+    every = sum(p.numel() * p.element_size() for p in model.parameters())
+    table = model.get_input_embeddings().weight
+    tied = model.get_output_embeddings().weight is table
+    assert weight_bytes(model) == every - (0 if tied else table.numel() * table.element_size())
+
+
+def test_read_bandwidth_is_measured_once_and_kept_in_the_cache(tmp_path, monkeypatch):
+    import mtad.models.bandwidth as bw
+
+    monkeypatch.setenv("MTAD_CACHE", str(tmp_path))
+    bw.read_bandwidth.cache_clear()
+    cpu = torch.device("cpu")
+    rate = bw.read_bandwidth(cpu)
+    _, path = bw.bandwidth_file(cpu)
+    assert path.parent == tmp_path / "tuning" and json.loads(path.read_text())["bytes_per_second"] == rate > 1e8
+    path.write_text(json.dumps({"bytes_per_second": 123.0}))  # a later process reads it back, measures nothing
+    bw.read_bandwidth.cache_clear()
+    assert bw.read_bandwidth(cpu) == 123.0
+    bw.read_bandwidth.cache_clear()
+    assert bw.measure_read_bandwidth(cpu, nbytes=2**20, reads=2) > 0

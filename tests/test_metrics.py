@@ -204,3 +204,71 @@ def test_acceptance_by_position_counts_each_draft_position_reached():
     assert reached == [3, 2, 1, 1] and kept == [2, 1, 1, 1]
     assert acceptance_by_position(reached, kept) == [2 / 3, 0.5, 1.0, 1.0]
     assert position_counts([]) == ([], []) and acceptance_by_position([0], [0]) == [None]
+
+
+def timed_step(index: int, tokens: int, target: float, draft: float = 0.0, other: float = 0.0) -> Step:
+    ids = list(range(tokens))
+    return Step(
+        index=index,
+        method="x",
+        appended_ids=ids,
+        from_target=[True] * tokens,
+        target_logprobs=[-1.0] * tokens,
+        target_calls=1,
+        target_seconds=target,
+        draft_seconds=draft,
+        other_seconds=other,
+    )
+
+
+def test_speed_equation_terms_on_hand_made_steps() -> None:
+    """AR: 4 tokens in 0.4 s (0.1 s a token). The lane: 6 tokens over 2 target calls, whose forwards took 0.4 s
+    (the first, which also reads the prompt) and 0.2 s, drafting 0.4 s and the rest 0.2 s: per call, 3 tokens
+    for 3 + 2 + 1 of AR's token steps, 0.5× AR; the lane ran 6 tokens in 1.2 s against AR's 10 tokens a second."""
+    from mtad.metrics import speed_equation, speedup
+
+    ar = summarize([timed_step(i, 1, target=0.09, other=0.01) for i in range(4)])
+    lane = summarize([timed_step(0, 3, 0.4, 0.2, 0.1), timed_step(1, 3, 0.2, 0.2, 0.1)])
+    eq = speed_equation(lane, ar)
+    assert (eq.tokens_per_call, eq.verification, eq.drafting, eq.rest) == pytest.approx((3, 3, 2, 1))
+    assert eq.product == pytest.approx(0.5) and eq.measured == pytest.approx(speedup(lane, ar)) == pytest.approx(0.5)
+    # the verification term counts every call, the first's prompt read included: from the later calls alone
+    # (what the card's "per target call" shows) it would be 2, and the product 3 / 5 would not be the measured 0.5
+    assert eq.verification != pytest.approx(lane.target_call_seconds / 0.1)
+    assert eq.text() == "3 tokens a call ÷ (3 + 2 + 1) = 0.50×, measured 0.50×"
+    own = speed_equation(ar, ar)  # AR against itself: one token a call, its forward and its rest make one
+    assert own.tokens_per_call == 1 and own.cost == pytest.approx(1) and own.product == pytest.approx(1)
+    assert speed_equation(summarize([]), ar) is None and speed_equation(lane, summarize([])) is None
+
+
+@pytest.mark.parametrize("method", ["sd", "mtad", "mtjd"])
+def test_speed_equation_is_the_measured_speedup_on_recorded_runs(close_pair: ModelPair, method: str) -> None:
+    """An identity over the same Steps: the product equals the measured × AR (a gap of 5 % would be a bug), for
+    one run and pooled over runs."""
+    from mtad.metrics import speed_equation, speedup
+
+    def runs(m: str) -> list[Metrics]:
+        out = []
+        for seed in (0, 1):
+            s = Settings(method=m, max_new_tokens=12, seed=seed, gamma=3, beams=2)
+            out.append(summarize(generate(close_pair, "abc def", s).steps))
+        return out
+
+    ar, lane = runs("ar"), runs(method)
+    for run, base in zip(lane, ar, strict=True):
+        eq = speed_equation(run, base)
+        assert eq.product == pytest.approx(speedup(run, base), rel=0.05)
+        assert eq.tokens_per_call == pytest.approx(run.block_efficiency)
+    pooled = speed_equation(pool(lane), pool(ar))
+    assert pooled.product == pytest.approx(pool(lane).tokens_per_second / pool(ar).tokens_per_second, rel=0.05)
+
+
+def test_ar_against_the_weight_read_bound() -> None:
+    from mtad.metrics import versus_weight_read_bound, weight_read_text
+
+    ar = summarize([timed_step(i, 1, target=0.009, other=0.001) for i in range(5)])  # 10 ms a token
+    assert versus_weight_read_bound(ar, 0.002) == pytest.approx(5.0)
+    assert versus_weight_read_bound(ar, None) is None and versus_weight_read_bound(summarize([]), 0.002) is None
+    assert weight_read_text(5.0, 20_000_000, 10e9) == (
+        "AR at 5.0× the weight-read bound (20 MB of target weights ÷ 10.0 GB/s read = 2.00 ms a token)"
+    )

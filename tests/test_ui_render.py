@@ -212,6 +212,21 @@ def test_each_card_gives_a_target_call_and_its_ratio_to_the_same_run_s_ar_lane()
     assert card_cells(cards.card_html(idle))["per target call"] == "—"  # no target call timed
 
 
+def test_each_card_writes_out_its_speed_equation_against_the_same_run_s_ar_lane():
+    """MTAD: 4 tokens a call (0.1 s target, 0.05 s draft, 0.05 s rest a step); AR: 4 tokens a call too here, in
+    0.1 s a step, so AR's seconds a token are 0.025 and a step of MTAD costs 4 + 2 + 2 of them: 4 ÷ 8 = 0.5×."""
+    mtad_lane, ar_lane = looping_lane("mtad", seconds=0.1), looping_lane("ar", seconds=0.1)
+    for st in mtad_lane.steps:
+        st.draft_seconds, st.other_seconds = 0.05, 0.05
+    mtad_card, ar_card = cards.cards_html([mtad_lane, ar_lane]).split('<div class="mtad-card"')[1:]
+    assert "× AR = 4 tokens a call ÷ (4 + 2 + 2) = 0.50×, measured 0.50×" in mtad_card
+    assert card_cells(mtad_card)["× AR"] == "0.50×"
+    assert "× AR = 4 tokens a call ÷ (4 + 0 + 0) = 1.00×" in ar_card
+    assert "card-equation" not in cards.cards_html([mtad_lane])  # no AR lane: no equation
+    ar_lane.state = "running"
+    assert "card-equation" not in cards.cards_html([mtad_lane, ar_lane]).split('<div class="mtad-card"')[1]
+
+
 def test_figures_use_each_lanes_own_clock():
     sd = lane_of("sd", [sd_step(0), sd_step(1)])
     md = lane_of("mtad", [mtad_step(0)])

@@ -9,13 +9,20 @@ from __future__ import annotations
 import math
 import random
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import fields
 
-from mtad.metrics import Metrics, acceptance_by_position, perplexity_of, pool, target_call_ratio
+from mtad.metrics import (
+    Metrics,
+    acceptance_by_position,
+    perplexity_of,
+    pool,
+    speed_equation,
+    target_call_ratio,
+)
 
 DRAWS = 10_000
-"""Resamples of the prompts behind a perplexity difference's interval."""
+"""Resamples of the prompts behind an interval (a perplexity difference's, a task score's)."""
 
 PER_RUN = tuple(f.name for f in fields(Metrics) if f.name != "energy_note")
 """Every numeric field of ``Metrics``: each is kept per row as mean and sample std over the runs."""
@@ -85,16 +92,73 @@ def perplexity_gap(
         a, b = ([sum(totals[c][k][i] for k in sample) for i in (0, 1)] for c in (case, reference))
         return perplexity_of(a[0], int(a[1])) - perplexity_of(b[0], int(b[1]))
 
-    rng = random.Random(0)
-    draws = sorted(gap(rng.choices(keys, k=len(keys))) for _ in range(DRAWS))
+    difference, low, high = bootstrap(keys, gap)
     return {
         "reference": reference,
-        "difference": gap(keys),
-        "low": draws[int(0.025 * DRAWS)],
-        "high": draws[int(0.975 * DRAWS) - 1],
+        "difference": difference,
+        "low": low,
+        "high": high,
         "prompts": len(keys),
         "pairs": len(kept),
         "of": len(paired),
+    }
+
+
+def bootstrap(keys: Sequence[Hashable], statistic: Callable[[Sequence[Hashable]], float]) -> tuple[float, float, float]:
+    """``statistic`` over ``keys`` (prompts), and its 95 % percentile interval from :data:`DRAWS` resamples of the
+    keys with replacement (fixed seed): the one resampling behind every interval of the table."""
+    rng = random.Random(0)
+    draws = sorted(statistic(rng.choices(keys, k=len(keys))) for _ in range(DRAWS))
+    return statistic(keys), draws[int(0.025 * DRAWS)], draws[int(0.975 * DRAWS) - 1]
+
+
+def pooled_mean(by_prompt: dict[Hashable, list[float]]) -> Callable[[Sequence[Hashable]], float]:
+    """The mean over every value of the prompts drawn (a prompt drawn twice counts twice): a row's task score,
+    pooled over its runs like its other columns, as a statistic of the prompts."""
+
+    def mean(sample: Sequence[Hashable]) -> float:
+        return sum(sum(by_prompt[k]) for k in sample) / sum(len(by_prompt[k]) for k in sample)
+
+    return mean
+
+
+def task_score(records: Sequence[dict], case: str, name: str) -> dict | None:
+    """``case``'s score ``name`` (``mtad.tasks``): the mean over its runs, with a 95 % interval from resampling
+    its prompts; None before a scored run."""
+    by_prompt: dict[int, list[float]] = {}
+    for r in records:
+        if r["case"] == case and (r.get("scores") or {}).get(name) is not None:
+            by_prompt.setdefault(r["prompt_index"], []).append(r["scores"][name])
+    if not by_prompt:
+        return None
+    mean, low, high = bootstrap(sorted(by_prompt), pooled_mean(by_prompt))
+    return {"mean": mean, "low": low, "high": high, "prompts": len(by_prompt)}
+
+
+def task_gap(records: Sequence[dict], case: str, reference: str, name: str) -> dict | None:
+    """``case``'s score ``name`` minus ``reference``'s on prompt pairs: runs pair by prompt, seed and repeat, a
+    prompt's differences stay together, and the prompts are resampled (95 % interval), so what both decoders
+    find hard or easy in a prompt cancels out. ``includes_zero``: the interval does not tell the two apart. None
+    without two prompts with a pair."""
+    runs: dict[str, dict[tuple, float]] = {case: {}, reference: {}}
+    for r in records:
+        value = (r.get("scores") or {}).get(name)
+        if r["case"] in runs and value is not None:
+            runs[r["case"]][(r["prompt_index"], r.get("seed", 0), r.get("repeat", 0))] = value
+    by_prompt: dict[int, list[float]] = {}
+    for key in sorted(set(runs[case]) & set(runs[reference])):
+        by_prompt.setdefault(key[0], []).append(runs[case][key] - runs[reference][key])
+    if len(by_prompt) < 2:
+        return None
+    difference, low, high = bootstrap(sorted(by_prompt), pooled_mean(by_prompt))
+    return {
+        "reference": reference,
+        "difference": difference,
+        "low": low,
+        "high": high,
+        "includes_zero": low <= 0 <= high,
+        "prompts": len(by_prompt),
+        "pairs": sum(len(v) for v in by_prompt.values()),
     }
 
 
@@ -104,11 +168,14 @@ def aggregate(
     failures: dict[str, str] | None = None,
     runs_per_prompt: int = 1,
     budget_stopped: Sequence[str] = (),
+    scores: Sequence[str] = (),
 ) -> list[dict]:
     """One row per case (``cases`` order, then first-seen): the pooled figures, the perplexity over the
     prompts every case finished and its difference to SD's (:func:`perplexity_gap`, over every run and over
-    the runs where neither text loops), a target call's seconds over the AR row's (where there is one AR row),
-    per-run ``<metric>_mean``/``_std``, and the case's error if it failed."""
+    the runs where neither text loops), a target call's seconds over the AR row's and the speed equation
+    (``mtad.metrics.speed_equation``) against it (where there is one AR row),
+    per-run ``<metric>_mean``/``_std``, the case's error if it failed, and each of a task's ``scores``
+    (:func:`task_score`) with its difference to SD's on prompt pairs (:func:`task_gap`)."""
     failures = failures or {}
     groups: dict[str, list[dict]] = {c["case"]: [] for c in cases}
     for r in records:
@@ -140,10 +207,16 @@ def aggregate(
         row["perplexity_vs_sd_without_loops"] = (
             perplexity_gap(records, label, sd[0], common, without_loops=True) if versus_sd else None
         )
+        row["task_scores"] = {name: task_score(records, label, name) for name in scores} if scores else None
+        row["task_vs_sd"] = (
+            {name: task_gap(records, label, sd[0], name) for name in scores} if scores and versus_sd else None
+        )
         row["budget_stopped"] = label in budget_stopped
         row["error"] = failures.get(label)
         rows.append(row)
     ar = [p for p, r in zip(pooled, rows, strict=True) if r["method"] == "ar" and p.target_call_seconds]
     for row, p in zip(rows, pooled, strict=True):  # against the one AR row: a verification over a one-token forward
         row["target_call_vs_ar"] = target_call_ratio(p, ar[0]) if len(ar) == 1 else None
+        equation = speed_equation(p, ar[0]) if len(ar) == 1 else None
+        row["speed_equation"] = equation.to_dict() if equation is not None else None
     return rows

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from mtad.bench.aggregate import aggregate
-from mtad.bench.report import environment, git_commit, render_table, write_outputs
+from mtad.bench.report import environment, git_commit, render_table, weight_read_bound, write_outputs
 from mtad.bench.run import Case, build_cases, run_bench
 from mtad.decoding import encode_prompt, refusal
 from mtad.decoding.precompile import warm_up_pair
@@ -24,6 +24,7 @@ from mtad.models.presets import default_pair_name, presets
 from mtad.models.static_llama import uncompiled_shapes
 from mtad.prompts import Prompt, read_prompts
 from mtad.settings import Settings
+from mtad.tasks import TASKS, Task
 
 
 def parser() -> argparse.ArgumentParser:
@@ -40,9 +41,17 @@ def parser() -> argparse.ArgumentParser:
         "default: the --pair preset's prompt set",
     )
     ap.add_argument("--limit", type=int, help="use the first N prompts")
+    ap.add_argument(
+        "--task",
+        choices=sorted(TASKS),
+        help="score every run on a downstream task: "
+        + "; ".join(f"{t.name}: {t.description}" for t in TASKS.values())
+        + ". Its prompt file, pair and --max-new-tokens are the defaults (docs/bench.md)",
+    )
     names = method_names()
     ap.add_argument("--methods", help=f"comma list of {', '.join(names)} (default: all the pair can run)")
     add_sampling_args(ap)
+    ap.set_defaults(max_new_tokens=None)  # the task's, else the settings' default (``prepare``)
     ap.add_argument(
         "--gamma",
         help=f"draft length, or a comma list to sweep (default: each method's paper value, {d.gamma}{own_gammas()})",
@@ -105,9 +114,11 @@ def parse_methods(text: str) -> list[str]:
 
 
 def default_prompts(args: argparse.Namespace) -> str:
-    """--prompts, else the prompt set of the --pair preset (or the default pair)."""
+    """--prompts, else --task's prompt file, else the prompt set of the --pair preset (or the default pair)."""
     if args.prompts:
         return args.prompts
+    if args.task:
+        return str(TASKS[args.task].prompts)
     if not args.draft:
         preset = presets().get(args.pair or default_pair_name())
         if preset is not None and preset.prompts:
@@ -138,6 +149,11 @@ def prepare(args: argparse.Namespace) -> tuple[list[Case], list[int], list[Promp
         raise ValueError(f"--warmup must be 0 or more; got {args.warmup}")
     if args.time_budget is not None and not args.time_budget > 0:
         raise ValueError(f"--time-budget must be a number of seconds > 0; got {args.time_budget}")
+    task = TASKS[args.task] if args.task else None
+    if task is not None and not args.pair and not args.draft:
+        args.pair = task.pair
+    if args.max_new_tokens is None:
+        args.max_new_tokens = task.max_new_tokens if task is not None else Settings().max_new_tokens
     cases = build_cases(
         parse_methods(args.methods or ",".join(method_names())),
         sampling_settings(args),
@@ -148,7 +164,19 @@ def prepare(args: argparse.Namespace) -> tuple[list[Case], list[int], list[Promp
     seeds = parse_list(args.seeds, int, "seeds")
     args.prompts_file = default_prompts(args)
     prompts = read_prompts(args.prompts_file, args.limit)
+    if task is not None and (bare := next((p for p in prompts if p.reference is None), None)):
+        raise ValueError(
+            f'--task {task.name} scores replies against references: prompt {bare.id!r} of {args.prompts_file} has no "reference"'
+        )
     return cases, seeds, prompts
+
+
+def score_runs(task: Task, records: list[dict], prompts: Sequence[Prompt]) -> None:
+    """Each run's reply scored against its prompt's reference (``mtad.tasks``): ``prediction`` and ``scores``."""
+    for r in records:
+        prediction = task.prediction(r["text"])
+        r["prediction"] = prediction
+        r["scores"] = task.score(r["text"], prompts[r["prompt_index"]].reference)
 
 
 def runnable(cases: list[Case], pair: ModelPair, explicit: bool) -> list[Case]:
@@ -235,14 +263,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         meter=meter,
         time_budget=args.time_budget,
     )
+    task = TASKS[args.task] if args.task else None
+    if task is not None:
+        score_runs(task, result.records, prompts)
     rows = aggregate(
         result.records,
         [{"case": c.label, "method": c.method, **c.params} for c in cases],
         result.failures,
         runs_per_prompt=len(seeds) * args.repeats,
         budget_stopped=result.budget_stopped,
+        scores=task.score_names if task is not None else (),
     )
     table = render_table(rows, None if meter.available else meter.reason)
+    bound = weight_read_bound(pair, rows)
+    if bound["text"]:
+        table += "\n" + bound["text"]
     if result.interrupted:
         table += f"\ninterrupted: {len(result.records)} runs measured, the table is partial"
     print(table)
@@ -251,6 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if out is not None:
         env = environment(pair, argv, meter.reason, meter.source, commit)
         env["compile_seconds"] = compile_seconds
+        env["weight_read_bound"] = bound
         env["tuned"] = tuned
         env["prompt_format"] = "chat template, one user turn" if pair.chat and not args.raw else "raw text"
         config = {
@@ -261,6 +297,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "warmup": args.warmup,
             "time_budget_seconds": args.time_budget,
             "prompts_file": str(args.prompts_file),
+            "task": args.task,
             "interrupted": result.interrupted,
             "prompts": [
                 {"id": p.id, "category": p.category, "tokens": len(e)} for p, e in zip(prompts, encoded, strict=True)

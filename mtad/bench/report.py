@@ -10,6 +10,7 @@ import platform
 import shlex
 import subprocess
 from collections.abc import Sequence
+from dataclasses import fields
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -23,8 +24,9 @@ from mtad.decoding.fused import fused_enabled
 from mtad.decoding.spec import registry, spec_of
 from mtad.decoding.static_lm import products
 from mtad.events import json_safe
-from mtad.metrics import LOOP_REPETITION, REPEAT_N
+from mtad.metrics import LOOP_REPETITION, REPEAT_N, Pooled, versus_weight_read_bound, weight_read_text
 from mtad.models import devices
+from mtad.models.bandwidth import read_bandwidth, weight_bytes
 from mtad.models.devices import capped_isa, device_model
 from mtad.models.pair import ModelPair
 from mtad.models.static_llama import uncompiled_shapes
@@ -92,10 +94,48 @@ def text_table(header: Sequence[str], body: Sequence[Sequence[str]], left: int, 
     return "\n".join([line(header), "  ".join("-" * w for w in widths), *(line(row) for row in body)])
 
 
+def task_columns(aggregates: Sequence[dict]) -> list[tuple[str, object]]:
+    """A column per task score (``mtad.tasks``), after the repetition column, where the run scored a task."""
+    names = next((list(r["task_scores"]) for r in aggregates if r.get("task_scores")), [])
+
+    def cell(name: str) -> object:
+        return lambda r: fmt(((r.get("task_scores") or {}).get(name) or {}).get("mean"), 1)
+
+    return [(name, cell(name)) for name in names]
+
+
+def task_lines(aggregates: Sequence[dict]) -> list[str]:
+    """Each task score with its interval, then each row's difference to SD's on prompt pairs, saying when its
+    interval includes 0."""
+    out = []
+    for name, _ in task_columns(aggregates):
+        rows = [(r["case"], r["task_scores"][name]) for r in aggregates if (r.get("task_scores") or {}).get(name)]
+        width = max(len(case) for case, _ in rows)
+        out.append(f"{name} (0-100, the mean over the row's runs; 95 % interval, prompts resampled):")
+        out.extend(
+            f"  {case.ljust(width)}  {s['mean']:.1f}  [{s['low']:.1f}, {s['high']:.1f}]  {s['prompts']} prompts"
+            for case, s in rows
+        )
+        gaps = [(r["case"], r["task_vs_sd"][name]) for r in aggregates if (r.get("task_vs_sd") or {}).get(name)]
+        if gaps:
+            out.append(f"{name} minus SD's, paired by prompt, seed and repeat (95 % interval, prompts resampled):")
+            out.extend(
+                f"  {case.ljust(width)}  {g['difference']:+.1f}  [{g['low']:+.1f}, {g['high']:+.1f}]  "
+                + ("includes 0: no difference measured" if g["includes_zero"] else "excludes 0")
+                + f"  ({g['pairs']} pairs, {g['prompts']} prompts)"
+                for case, g in gaps
+            )
+    return out
+
+
 def render_table(aggregates: Sequence[dict], energy_note: str | None = None) -> str:
-    """The paper's Table 4 shape: one row per method and settings, pooled figures; failed rows say why."""
-    header = [name for name, _ in TABLE_COLUMNS]
-    out = [text_table(header, [[cell(r) for _, cell in TABLE_COLUMNS] for r in aggregates], LEFT)]
+    """The paper's Table 4 shape: one row per method and settings, pooled figures (and a task's scores, its
+    Table 6); failed rows say why."""
+    columns = list(TABLE_COLUMNS)
+    at = [name for name, _ in columns].index("rep. 4-grams") + 1
+    columns[at:at] = task_columns(aggregates)
+    header = [name for name, _ in columns]
+    out = [text_table(header, [[cell(r) for _, cell in columns] for r in aggregates], LEFT)]
     common = aggregates[0]["common_prompts"] if aggregates else 0
     out.append(LEGEND.format(common=common))
     for method in dict.fromkeys(r["method"] for r in aggregates):  # where a method's columns read differently
@@ -116,6 +156,14 @@ def render_table(aggregates: Sequence[dict], energy_note: str | None = None) -> 
             + (f"  {r['target_call_vs_ar']:.2f}×" if r.get("target_call_vs_ar") and r["method"] != "ar" else "")
             for r in calls
         )
+    equations = [r for r in aggregates if r.get("speed_equation")]
+    if equations:
+        out.append(
+            "× AR = tokens a target call ÷ (verification + drafting + rest), each a target call's seconds in AR's"
+            " seconds a token:"
+        )
+        width = max(len(r["case"]) for r in equations)
+        out.extend(f"  {r['case'].ljust(width)}  {r['speed_equation']['text']}" for r in equations)
     gaps = [(r["case"], r["perplexity_vs_sd"]) for r in aggregates if r.get("perplexity_vs_sd")]
     if gaps:
         out.append("perplexity minus SD's over the common prompts (95 % interval, prompts resampled):")
@@ -136,6 +184,7 @@ def render_table(aggregates: Sequence[dict], energy_note: str | None = None) -> 
             f"  {case.ljust(width)}  {g['difference']:+.3f}  [{g['low']:+.3f}, {g['high']:+.3f}]  {g['pairs']} of {g['of']}"
             for case, g in gaps
         )
+    out.extend(task_lines(aggregates))
     for r in aggregates:
         if r["error"]:
             out.append(f"{r['case']} failed after {r['runs']} run(s): {r['error']}")
@@ -176,6 +225,26 @@ def figure1_table(aggregates: Sequence[dict]) -> str | None:
             text_table(header, body, 3),
         ]
     )
+
+
+def weight_read_bound(pair: ModelPair, aggregates: Sequence[dict]) -> dict:
+    """The target's weight-read bound on this device (``mtad.models.bandwidth``) and the one AR row's seconds a
+    token against it, with the sentence the table prints (None without one AR row)."""
+    weights = weight_bytes(pair.target)
+    rate = read_bandwidth(pair.device)
+    ar = [r for r in aggregates if r["method"] == "ar" and r.get("new_tokens")]
+    times = (
+        versus_weight_read_bound(Pooled(**{f.name: ar[0][f.name] for f in fields(Pooled)}), weights / rate)
+        if len(ar) == 1
+        else None
+    )
+    return {
+        "target_weight_bytes": weights,
+        "read_bytes_per_second": rate,
+        "seconds_per_token": weights / rate,
+        "ar_times_bound": times,
+        "text": weight_read_text(times, weights, rate) if times is not None else None,
+    }
 
 
 def environment(

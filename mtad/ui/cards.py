@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from html import escape
 
-from mtad.metrics import Metrics, speedup, target_call_ratio
+from mtad.metrics import Metrics, speed_equation, speedup, target_call_ratio
 from mtad.ui.record import LaneRecord
 
 
@@ -75,10 +75,29 @@ def acceptance_cell(m: Metrics) -> tuple[str, str, str]:
     return label, f"{m.acceptance:.1%}", tip
 
 
+EQUATION_TIP = (
+    "this lane's × AR taken apart, from its own steps and the AR lane's: new tokens per target call ÷ what each "
+    "call costs, in units of AR's seconds per token: one verification (the target's forwards, the prompt's read "
+    "included) + the drafting + the rest (bookkeeping). The largest term is what holds this decoder back here."
+)
+
+
+def equation_html(m: Metrics, lane: LaneRecord, ar: Metrics | None) -> str:
+    """The card's speed equation (``mtad.metrics.speed_equation``) once the lane and the AR lane have run."""
+    equation = speed_equation(m, ar) if ar is not None and lane.steps else None
+    if equation is None:
+        return ""
+    return (
+        f'<div class="card-equation" title="{escape(EQUATION_TIP, quote=True)}">'
+        f'× AR = {escape(equation.text())} <span class="card-equation-terms">(tokens a call ÷ (verification + '
+        "drafting + rest), in AR's seconds a token)</span></div>"
+    )
+
+
 def card_html(lane: LaneRecord, ar: Metrics | None = None) -> str:
     """One lane's card: speed (and its ratio to the same run's AR lane, ``ar``), energy, block efficiency,
-    acceptance, perplexity and repetition (with a warning when the text loops), and the seconds of a target call
-    (and their ratio to the AR lane's)."""
+    acceptance, perplexity and repetition (with a warning when the text loops), the seconds of a target call
+    (and their ratio to the AR lane's), and the speed equation that gives its × AR."""
     m = lane.metrics()
     times, tip = versus_ar(m, lane, ar)
     rows = [
@@ -115,7 +134,8 @@ def card_html(lane: LaneRecord, ar: Metrics | None = None) -> str:
     return (
         f'<div class="mtad-card" data-method="{escape(lane.method)}">'
         f'<div class="card-title">{escape(lane.label)} <span class="card-state">{escape(lane.state)}</span></div>'
-        f'<div class="card-grid">{cells}</div><div class="card-split">{escape(split)}</div>{note}</div>'
+        f'<div class="card-grid">{cells}</div><div class="card-split">{escape(split)}</div>'
+        f"{equation_html(m, lane, ar)}{note}</div>"
     )
 
 

@@ -12,6 +12,8 @@ import transformers
 from mtad.decoding.context_bias import described
 from mtad.decoding.spec import racers
 from mtad.decoding.static_lm import compiles_draft
+from mtad.metrics import versus_weight_read_bound, weight_read_text
+from mtad.models.bandwidth import read_bandwidth, weight_bytes
 from mtad.models.devices import configure_cpu_threads, resolve_device
 from mtad.models.presets import default_pair_name, presets
 from mtad.models.static_llama import uncompiled_shapes
@@ -148,6 +150,18 @@ def uncompiled_text() -> str:
     if not shapes:
         return ""
     return f" · **uncompiled forwards** (slower than compiled): {escape('; '.join(shapes))}"
+
+
+def bound_text(record: RunRecord) -> str:
+    """The status line's AR lane against the hardware's limit (``mtad.metrics.versus_weight_read_bound``):
+    empty until the AR lane has finished."""
+    pair = PAGE.pairs.peek(record.pair)
+    ar = next((lane for lane in record.lanes.values() if lane.method == "ar" and lane.finished and lane.steps), None)
+    if pair is None or ar is None:
+        return ""
+    weights, rate = weight_bytes(pair.target), read_bandwidth(pair.device)
+    times = versus_weight_read_bound(ar.metrics(), weights / rate)
+    return f" · {weight_read_text(times, weights, rate)}" if times is not None else ""
 
 
 def pair_facts(pair: object) -> str:

@@ -22,7 +22,7 @@ from mtad.ui import availability, race
 from mtad.ui.form import RunForm
 from mtad.ui.inputs import as_bool, parse_settings
 from mtad.ui.outputs import Refused, Stream, api_error, blank_outputs, message_html, refuse
-from mtad.ui.pickers import DEFAULT_RACE, device_name, device_text, pick_racers, shown_race
+from mtad.ui.pickers import DEFAULT_RACE, bound_text, device_name, device_text, pick_racers, shown_race
 from mtad.ui.record import LaneRecord, RunRecord
 from mtad.ui.runner import OOM_MESSAGE, free_device_memory, run_lanes
 from mtad.ui.state import PAGE, session_of
@@ -217,7 +217,7 @@ def _generate(form: RunForm, cancel: threading.Event) -> Iterator[tuple]:
         free_device_memory()
         yield from refuse(OOM_MESSAGE)
     errors = "; ".join(f"{lane.label}: {lane.error}" for lane in record.lanes.values() if lane.error)
-    status = device_text(record) + (" · failed" if errors else run_tail(record))
+    status = device_text(record) + bound_text(record) + (" · failed" if errors else run_tail(record))
     yield stream.outputs(record, status, message=message_html(errors) if errors else None, final=True)
     if errors:
         raise Refused(errors)
