@@ -22,6 +22,16 @@ def limit_hits() -> int:
     return sum(n for why, n in torch._dynamo.utils.counters["unimplemented"].items() if "recompile limit" in why)
 
 
+def graphs_per_function() -> dict[str, int]:
+    """Graphs dynamo holds for each of the engine's compiled forwards (its cache entries)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    return {
+        f.__name__: len(_debug_get_cache_entry_list(f.__code__))
+        for f in (static_llama.forward_part, static_llama.gemv_part)
+    }
+
+
 def page_settings() -> list[Settings]:
     """Every racer (and AR) at the ends of the page's ranges for the settings it uses: γ, W and m from their
     smallest to their largest, short runs."""
@@ -74,6 +84,10 @@ def test_the_page_s_warm_up_and_every_racer_at_its_range_ends_stay_compiled(name
     assert static_llama.frames_declined() == declined
     assert static_llama.UNCOMPILED == {}
     assert torch._dynamo.utils.counters["frames"]["ok"] > 0  # the compiled path ran
+    graphs = graphs_per_function()
+    print(f"graphs per compiled forward after the page's shapes of {name}: {graphs}")
+    # a page holding two pairs (MTAD_MAX_LOADED_PAIRS=2) compiles both pairs' shapes into the same functions
+    assert max(graphs.values()) <= static_llama.RECOMPILE_LIMIT // 2, graphs
 
 
 def test_a_forward_dynamo_declines_is_named_with_its_shape(tiny_pair, monkeypatch) -> None:
