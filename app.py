@@ -166,7 +166,7 @@ def build() -> gr.Blocks:
         )
         demo.load(link.from_query, pair, [*run_form.values(), wanted, message], **private)
         demo.load(opening.on_load, pair, [gamma, beams, defaults_note, status, race, pair_info], **private)
-        opening_timer.tick(opening.on_refresh, pair, [status, opening_timer], **private)
+        opening_timer.tick(opening.on_refresh, [pair, status], [status, opening_timer], **private)
         paper_btn.click(opening.back_to_paper, pair, [gamma, beams, defaults_note], **private)
         pair.change(pickers.on_pair_change, [pair, prompt], [pair_info, examples, prompt], **private)
         examples.input(pickers.on_example, examples, prompt, **private)

@@ -99,9 +99,11 @@ def test_the_status_line_says_whether_the_pair_is_loaded(loaded, monkeypatch):
     loading.start()
     monkeypatch.setitem(PAGE.preloaded, "smollm2", loading)
     try:
-        assert "Loading the pair `smollm2` and compiling it" in opening.status_text("smollm2")
+        assert "Starting up: loading the pair `smollm2` and compiling it" in opening.status_text("smollm2")
         status, timer = opening.on_refresh("smollm2")
-        assert "Loading" in status and timer["active"] is True
+        assert status.startswith("Starting up") and timer["active"] is True
+        refused = "Not run: the prompt is empty: type some text to continue"
+        assert opening.on_refresh("smollm2", refused)[0] == opening.gr.skip()  # a run's status stays
     finally:
         waiting.set()
         loading.join()

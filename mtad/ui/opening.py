@@ -99,7 +99,7 @@ def status_text(pair_name: str) -> str:
     loading = PAGE.preloaded.get(pair_name)
     if loading is not None and loading.is_alive():
         return (
-            f"Loading the pair `{pair_name}` and compiling it for this device in the background (once per start); "
+            f"Starting up: loading the pair `{pair_name}` and compiling it for this device (once per start); "
             "a run pressed now starts when it is ready."
         )
     return "Nothing run yet: pick or type a prompt and press **Run** (the pair loads on its first run)."
@@ -131,11 +131,14 @@ def on_load(pair_name: str | None, request: gr.Request | None = None) -> tuple:
     return gamma, beams, defaults_note(name, tuning), status_text(name), opening_race(name), pair_info(name)
 
 
-def on_refresh(pair_name: str | None) -> tuple:
-    """While the pair loads: the status line (and, once loaded, the timer stops)."""
+def on_refresh(pair_name: str | None, shown: str | None = None) -> tuple:
+    """While the pair loads at start-up: the status line says so, then that it is ready, and the timer stops.
+    A status line that says anything else (a run, a refusal) is left alone."""
     name = pair_name or ""
-    done = PAGE.pairs.peek(name) is not None or name not in PAGE.preloaded
-    return status_text(name), gr.update(active=not done)
+    loading = PAGE.preloaded.get(name)
+    done = PAGE.pairs.peek(name) is not None or loading is None or not loading.is_alive()
+    ours = shown is None or shown.startswith(("Starting up", "Nothing run yet"))
+    return (status_text(name) if ours else gr.skip()), gr.update(active=not done)
 
 
 def back_to_paper(pair_name: str | None) -> tuple:
