@@ -245,7 +245,7 @@ def weight_read_text(times: float, weight_bytes: int, bytes_per_second: float) -
     """The status line's and the bench's sentence for :func:`versus_weight_read_bound`."""
     bound = weight_bytes / bytes_per_second
     return (
-        f"AR at {times:.1f}× the weight-read bound ({weight_bytes / 1e6:.0f} MB of target weights ÷ "
+        f"AR at {times:.1f}× the weight-read bound ({weight_bytes / 1e6:.3g} MB of target weights ÷ "
         f"{bytes_per_second / 1e9:.1f} GB/s read = {bound * 1e3:.2f} ms a token)"
     )
 

@@ -205,3 +205,17 @@ def micro_close_pair(tmp_path_factory: pytest.TempPathFactory) -> ModelPair:
     target = make_model(len(tok), 32, 1, seed=4, init=0.6)
     dirs = save_pair(tmp_path_factory.mktemp("micro_close"), tok, noisy_copy(target, 0.3, seed=7), target)
     return load(*dirs, device="cpu")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def bandwidth_cache(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    """The read bandwidth the tests measure (on a machine busy with them) is kept in a temporary folder, not in
+    the user's cache, where the page and the bench would read it back; a test that sets ``MTAD_CACHE`` keeps it
+    there."""
+    import mtad.models.bandwidth as bandwidth
+
+    root = tmp_path_factory.mktemp("cache")
+    original = bandwidth.cache_root
+    bandwidth.cache_root = lambda: Path(os.environ["MTAD_CACHE"]) if os.environ.get("MTAD_CACHE") else root
+    yield root
+    bandwidth.cache_root = original

@@ -272,3 +272,4 @@ def test_ar_against_the_weight_read_bound() -> None:
     assert weight_read_text(5.0, 20_000_000, 10e9) == (
         "AR at 5.0× the weight-read bound (20 MB of target weights ÷ 10.0 GB/s read = 2.00 ms a token)"
     )
+    assert "(0.329 MB of target weights" in weight_read_text(67.0, 329_000, 11e9)  # a tiny model is not "0 MB"

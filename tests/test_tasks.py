@@ -167,6 +167,10 @@ def test_rows_carry_scores_and_the_table_says_when_the_interval_includes_zero():
     assert mtad["task_vs_sd"]["s"]["difference"] == 0.0 and mtad["task_vs_sd"]["s"]["includes_zero"]
     table = render_table(rows)
     assert "includes 0: no difference measured" in table
+    assert "under 10 prompts, resampling them understates the spread" in table  # 6 prompts here
+    many = [{**r, "prompt_index": p} for p in range(12) for r in records[:1]]  # 12 prompts a row
+    many += [{**r, "prompt_index": p, "case": "mtad", "method": "mtad"} for p in range(12) for r in records[:1]]
+    assert "understates" not in render_table(aggregate(many, scores=("s",)))
     assert table.splitlines()[0].split().count("s") == 1  # the score's column
 
 

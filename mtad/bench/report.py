@@ -104,6 +104,10 @@ def task_columns(aggregates: Sequence[dict]) -> list[tuple[str, object]]:
     return [(name, cell(name)) for name in names]
 
 
+FEW_PROMPTS = 10
+"""Below this many prompts a percentile interval from resampling them is too narrow to lean on."""
+
+
 def task_lines(aggregates: Sequence[dict]) -> list[str]:
     """Each task score with its interval, then each row's difference to SD's on prompt pairs, saying when its
     interval includes 0."""
@@ -125,6 +129,11 @@ def task_lines(aggregates: Sequence[dict]) -> list[str]:
                 + f"  ({g['pairs']} pairs, {g['prompts']} prompts)"
                 for case, g in gaps
             )
+            if min(g["prompts"] for _, g in gaps) < FEW_PROMPTS:
+                out.append(
+                    f"  under {FEW_PROMPTS} prompts, resampling them understates the spread: read such an interval as"
+                    " too narrow (AR minus SD, the same distribution, can then exclude 0)"
+                )
     return out
 
 
