@@ -205,8 +205,10 @@ class SpeedEquation:
     def text(self) -> str:
         """The equation with its numbers: ``2.4 tokens a call ÷ (1.7 + 0.4 + 0.1) = 1.09×, measured 1.09×``."""
         terms = " + ".join(f"{x:.2g}" for x in (self.verification, self.drafting, self.rest))
+        tokens = f"{self.tokens_per_call:.2g}"
         return (
-            f"{self.tokens_per_call:.2g} tokens a call ÷ ({terms}) = {self.product:.2f}×, measured {self.measured:.2f}×"
+            f"{tokens} token{'' if tokens == '1' else 's'} a call ÷ ({terms}) = {self.product:.2f}×, "
+            f"measured {self.measured:.2f}×"
         )
 
     def to_dict(self) -> dict:

@@ -238,6 +238,7 @@ def test_speed_equation_terms_on_hand_made_steps() -> None:
     assert eq.text() == "3 tokens a call ÷ (3 + 2 + 1) = 0.50×, measured 0.50×"
     own = speed_equation(ar, ar)  # AR against itself: one token a call, its forward and its rest make one
     assert own.tokens_per_call == 1 and own.cost == pytest.approx(1) and own.product == pytest.approx(1)
+    assert own.text().startswith("1 token a call ÷ (")  # one token, not "1 tokens"
     assert speed_equation(summarize([]), ar) is None and speed_equation(lane, summarize([])) is None
 
 
