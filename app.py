@@ -24,7 +24,6 @@ from mtad.ui.inputs import (
     TEMPERATURE_RANGE,
     TOP_K_RANGE,
 )
-from mtad.ui.runner import trim_freed_memory
 from mtad.ui.state import PAGE
 from mtad.ui.tokens import legend_html
 
@@ -235,7 +234,6 @@ def main(**launch_kwargs: object) -> None:
     default pair loads and compiles in the background meanwhile."""
     if runs.compiled_engine():
         PAGE.pairs.preload(pickers.default_pair_name())
-    trim_freed_memory()
     demo.launch(css=CSS, theme=THEME, state_session_capacity=SESSIONS, **launch_kwargs)
 
 

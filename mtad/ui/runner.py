@@ -140,21 +140,11 @@ def _malloc_trim() -> Callable[[int], int] | None:
 MALLOC_TRIM = _malloc_trim()
 
 
-def trim_freed_memory(every: float = 10.0, stop: threading.Event | None = None) -> threading.Thread | None:
-    """A daemon thread giving freed memory back to the system every ``every`` seconds (glibc's
-    ``malloc_trim``); None without glibc. glibc keeps large freed blocks (a refused oversized request's body)
-    in its per-thread heaps, and a server's RSS grew with them (journal 2026-12-02-soak)."""
-    malloc_trim, stop = MALLOC_TRIM, stop or threading.Event()
-    if malloc_trim is None:
-        return None
-
-    def trim() -> None:
-        while not stop.wait(every):
-            malloc_trim(0)
-
-    thread = threading.Thread(target=trim, name="malloc-trim", daemon=True)
-    thread.start()
-    return thread
+def release_freed_memory() -> None:
+    """Give the memory a run freed back to the system: glibc keeps large freed blocks in its per-thread heaps,
+    so without this a server's RSS grew by about a prompt's size with every oversized prompt it refused."""
+    if MALLOC_TRIM is not None:
+        MALLOC_TRIM(0)
 
 
 ACTIVE: set[threading.Thread] = set()
