@@ -256,15 +256,3 @@ def test_the_queue_tells_a_page_run_from_another_device_job(tiny_presets) -> Non
     jobs = gradio_jobs(SimpleNamespace(_queue=q))
     assert jobs.page_runs == ["b"] and jobs.pending == ["a"] and jobs.active == ["b"]
     assert runs.run_page.__name__ == PAGE_RUN  # the name Gradio gives the page's Run job
-
-
-def test_every_run_gives_the_memory_it_freed_back(tiny_presets, monkeypatch) -> None:  # noqa: ANN001
-    """glibc kept each refused 1 MB prompt's freed blocks: the soak's server grew 23 MiB a minute (journal
-    2026-12-02-soak); each run, served or refused, now ends by trimming the heaps."""
-    trims = []
-    monkeypatch.setattr(runs, "release_freed_memory", lambda: trims.append(1))
-    refusal(prompt="abc " * 10_000)
-    list(runs.run_page(request("trim"), **{**FORM, "max_new_tokens": 4}))
-    assert len(trims) == 2
-    monkeypatch.undo()
-    runner.release_freed_memory()  # glibc's malloc_trim where there is one; nothing elsewhere

@@ -24,7 +24,7 @@ from mtad.ui.inputs import as_bool, parse_settings
 from mtad.ui.outputs import Refused, Stream, api_error, blank_outputs, message_html, refuse
 from mtad.ui.pickers import DEFAULT_RACE, device_name, device_text, pick_racers, shown_race
 from mtad.ui.record import LaneRecord, RunRecord
-from mtad.ui.runner import OOM_MESSAGE, free_device_memory, release_freed_memory, run_lanes
+from mtad.ui.runner import OOM_MESSAGE, free_device_memory, run_lanes
 from mtad.ui.state import PAGE, session_of
 
 log = logging.getLogger(__name__)
@@ -155,7 +155,6 @@ def _run(session: str, form: RunForm) -> Iterator[tuple]:
     finally:
         PAGE.cancels.release(session, cancel)
         PAGE.line.leave(session)
-        release_freed_memory()
 
 
 def compiled_engine() -> bool:

@@ -3,7 +3,6 @@ worker thread (so each lane's clock and energy count only its own work), Stop at
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import logging
 import queue
@@ -127,24 +126,6 @@ def free_device_memory() -> None:
     if torch.cuda.is_available():
         gc.collect()
         torch.cuda.empty_cache()
-
-
-def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's ``malloc_trim``, or None where the C library has none (musl, macOS)."""
-    try:
-        return ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return None
-
-
-MALLOC_TRIM = _malloc_trim()
-
-
-def release_freed_memory() -> None:
-    """Give the memory a run freed back to the system: glibc keeps large freed blocks in its per-thread heaps,
-    so without this a server's RSS grew by about a prompt's size with every oversized prompt it refused."""
-    if MALLOC_TRIM is not None:
-        MALLOC_TRIM(0)
 
 
 ACTIVE: set[threading.Thread] = set()
