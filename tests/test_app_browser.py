@@ -120,7 +120,7 @@ def test_run_both_lanes_verify_and_replay(page):
         assert page.locator(f"#{plot} .js-plotly-plot .trace").count() > 0
     assert "n/a" in page.locator("#cards").inner_text()
     # each card writes its × AR out as the speed equation; the status line puts AR against the weight-read bound
-    equation = r"× AR = [\d.]+ tokens a call ÷ \([\d.e+-]+ \+ [\d.e+-]+ \+ [\d.e+-]+\) = [\d.]+×, measured [\d.]+×"
+    equation = r"× AR = [\d.]+ tokens? a call ÷ \([\d.e+-]+ \+ [\d.e+-]+ \+ [\d.e+-]+\) = [\d.]+×, measured [\d.]+×"
     assert len(re.findall(equation, page.locator("#cards").inner_text())) == page.locator(".mtad-card").count() >= 3
     assert re.search(r"AR at [\d.]+× the weight-read bound", page.locator("#status").inner_text())
     page.screenshot(path=str(OUT / "app_run.png"), full_page=True)

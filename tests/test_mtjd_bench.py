@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -51,7 +52,7 @@ def test_the_k_sweep_writes_figure1_as_a_table_and_a_figure(k_sweep) -> None:  #
     assert "MTJD against K (the paper's Figure 1)" in table and "mtjd: γ is its block length K" in table
     lines = table.split("MTJD against K")[1].splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("K "))
-    body = [line.split() for line in lines[header + 2 :] if line.strip()]
+    body = [line.split() for line in itertools.takewhile(str.strip, lines[header + 2 :])]  # the table, to its end
     assert [b[0] for b in body] == ["AR", "1", "2", "3"]
     assert body[2][3] == f"{rows['mtjd K=2 W=2']['perplexity']:.2f}"
     html = (out / "figure1_mtjd.html").read_text()

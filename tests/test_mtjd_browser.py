@@ -10,6 +10,10 @@ from test_app_browser import OUT, browser, page, pick, run_prompt, server, set_n
 def test_a_visitor_races_mtad_against_mtjd_and_reads_the_targets_beams(page):  # noqa: F811
     pick(page, "left-method", "MTJD (reference, slow)")  # against the default right lane, MTAD
     page.wait_for_selector('#lane-left .mtad-lane[data-method="mtjd"]', timeout=30_000)  # retitled before Run
+    page.locator("#paper-btn").click()  # the paper's K and W, whatever this device's timings set on opening
+    page.wait_for_function(
+        "document.querySelector('#gamma input').value === '4' && document.querySelector('#beams input').value === '8'"
+    )
     set_number(page, "max-new", 24)
     run_prompt(page, "abc de")  # a prompt after which the target's best beams do not end at once
     lane = page.locator("#lane-left")

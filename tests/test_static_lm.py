@@ -510,9 +510,8 @@ def test_a_pair_that_fails_to_compile_serves_on_the_eager_engine(monkeypatch: py
     with caplog.at_level("WARNING", logger=runner.log.name):
         pair = runner.PairCache(1).get("embedded")
     assert pair.engine == "eager"
-    assert (
-        "compiling embedded failed (ImportError: ['/tmp/torchinductor_root/x.main.so: file too short'])" in caplog.text
-    )
+    assert "compiling embedded failed; it runs on the eager engine" in caplog.text
+    assert "ImportError: /tmp/torchinductor_root/x.main.so: file too short" in caplog.text  # with its traceback
     assert generate(pair, "abc def", Settings(max_new_tokens=8)).new_ids
 
 
@@ -1135,6 +1134,8 @@ def test_a_thread_compiles_past_dynamo_s_default_of_eight_graphs(monkeypatch: py
     gemv_up_to(monkeypatch, 12)
     torch._dynamo.reset()
     hits, errors = limit_hits(), []
+    frames = torch._dynamo.utils.counters["frames"]
+    total, ok = frames["total"], frames["ok"]  # the process's counts so far (other tests' frames among them)
 
     def compile_twelve() -> None:
         try:
@@ -1148,5 +1149,4 @@ def test_a_thread_compiles_past_dynamo_s_default_of_eight_graphs(monkeypatch: py
     worker.join()
     assert not errors, errors
     assert limit_hits() == hits
-    frames = torch._dynamo.utils.counters["frames"]
-    assert frames["total"] == frames["ok"] >= 12
+    assert frames["total"] - total == frames["ok"] - ok >= 12  # every frame of this thread compiled

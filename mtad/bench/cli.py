@@ -277,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     table = render_table(rows, None if meter.available else meter.reason)
     bound = weight_read_bound(pair, rows)
     if bound["text"]:
-        table += "\n" + bound["text"]
+        table += "\n\n" + bound["text"]  # a line of its own, after any table
     if result.interrupted:
         table += f"\ninterrupted: {len(result.records)} runs measured, the table is partial"
     print(table)
