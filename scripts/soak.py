@@ -175,7 +175,7 @@ class Soak:
         client = Client(self.url, verbose=False)
         new = self.args.max_new_tokens
         while time.monotonic() < deadline:
-            action = rng.choice(["run", "run", "run", "stop", "twice", "bad", "huge", "surrogate", "counter"])
+            action = rng.choice(self.args.actions)
             prompt = rng.choice(["Write a short poem about the sea.", "List three prime numbers.", "abc def"])
             if action == "run":
                 self.outcome(action, client.submit(*run_args(prompt, new), api_name="/run"))
@@ -204,6 +204,9 @@ class Soak:
                 self.outcome(action, job)
 
 
+ACTIONS = ("run", "stop", "twice", "bad", "huge", "surrogate", "counter")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=4)
@@ -211,7 +214,16 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--stranded-after", type=float, default=600.0, help="seconds without an answer")
     parser.add_argument("--log", type=Path, default=None, help="the server's log (default: a temporary file)")
+    parser.add_argument(
+        "--actions",
+        type=lambda text: text.split(","),
+        default=["run", "run", "run", "stop", "twice", "bad", "huge", "surrogate", "counter"],
+        help="what the clients draw from, comma-separated, repeats weighing more (default: every kind, runs "
+        "three times as often): one kind alone tells which one a memory growth comes with",
+    )
     args = parser.parse_args()
+    if unknown := set(args.actions) - set(ACTIONS):
+        parser.error(f"unknown actions {sorted(unknown)}: pick from {', '.join(ACTIONS)}")
     work = Path(tempfile.mkdtemp(prefix="mtad-soak-"))
     counter = Counter_(fake_powercap(work / "powercap"))
     stop_ticking = threading.Event()
