@@ -34,14 +34,20 @@ MAX_PROMPT_TOKENS_DEFAULT = 1024
 prompt before its first token, so the cap bounds how long one visitor holds the device (docs/bench.md, (f))."""
 
 
+def operator_int(name: str, default: int, least: int) -> int:
+    """An operator's integer setting from the environment variable ``name`` (read at every run): ``default``
+    when unset, or, with a warning in the log, when it is not an integer; never below ``least``."""
+    raw = os.environ.get(name, "")
+    try:
+        return max(least, int(raw)) if raw.strip() else default
+    except ValueError:
+        log.warning("%s=%r is not an integer; using %d", name, raw, default)
+        return default
+
+
 def max_prompt_tokens() -> int:
     """The operator's cap on a visitor's prompt tokens (``MTAD_MAX_PROMPT_TOKENS``, read at every run)."""
-    raw = os.environ.get("MTAD_MAX_PROMPT_TOKENS", "")
-    try:
-        return max(0, int(raw)) if raw.strip() else MAX_PROMPT_TOKENS_DEFAULT
-    except ValueError:
-        log.warning("MTAD_MAX_PROMPT_TOKENS=%r is not an integer; using %d", raw, MAX_PROMPT_TOKENS_DEFAULT)
-        return MAX_PROMPT_TOKENS_DEFAULT
+    return operator_int("MTAD_MAX_PROMPT_TOKENS", MAX_PROMPT_TOKENS_DEFAULT, 0)
 
 
 MAX_PROMPT_CHARS_DEFAULT = 20_000
@@ -51,12 +57,7 @@ bounds the device's time, this one the tokenizer's (a megabyte of text took seco
 
 def max_prompt_chars() -> int:
     """The operator's cap on a visitor's prompt characters (``MTAD_MAX_PROMPT_CHARS``, read at every run)."""
-    raw = os.environ.get("MTAD_MAX_PROMPT_CHARS", "")
-    try:
-        return max(1, int(raw)) if raw.strip() else MAX_PROMPT_CHARS_DEFAULT
-    except ValueError:
-        log.warning("MTAD_MAX_PROMPT_CHARS=%r is not an integer; using %d", raw, MAX_PROMPT_CHARS_DEFAULT)
-        return MAX_PROMPT_CHARS_DEFAULT
+    return operator_int("MTAD_MAX_PROMPT_CHARS", MAX_PROMPT_CHARS_DEFAULT, 1)
 
 
 def check_prompt(prompt: object) -> None:
