@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import math
 import os
@@ -306,8 +307,10 @@ def cpu_flags() -> list[str]:
     return [f for f in wanted if f in flags] + [f"aten:{torch.backends.cpu.get_cpu_capability()}"] + emulated
 
 
+@functools.cache
 def git_commit() -> str | None:
-    """The repository's HEAD commit, or None outside a git checkout."""
+    """The repository's HEAD commit when first asked (the code this process loaded), or None outside a git
+    checkout. Asked once: the page reads it in every visitor's timing key, which spawned git each time."""
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"],
