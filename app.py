@@ -13,7 +13,20 @@ from pathlib import Path
 import gradio as gr
 
 from mtad.settings import PARAMS
-from mtad.ui import availability, fastest, form, line, link, opening, outputs, panel, pickers, replay, waiting
+from mtad.ui import (
+    availability,
+    fastest,
+    form,
+    line,
+    link,
+    opening,
+    outputs,
+    panel,
+    pickers,
+    replay,
+    session_config,
+    waiting,
+)
 from mtad.ui import race as race_view
 from mtad.ui import run as runs
 from mtad.ui.explain import EXPLAIN, INTRO
@@ -216,6 +229,7 @@ def build() -> gr.Blocks:
     demo.queue(max_size=QUEUE_SIZE, default_concurrency_limit=1)
     PAGE.line.attach(demo)
     waiting.limit_per_client(demo)
+    session_config.keep_component_ids()
     return demo
 
 
