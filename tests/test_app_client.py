@@ -478,3 +478,18 @@ def test_the_state_kept_per_session_is_bounded(app_server):
     assert demo.state_session_capacity == app_server["app"].SESSIONS == 256  # Gradio's own default keeps 10,000
     records = [b for b in demo.blocks.values() if isinstance(b, gr.State) and b.time_to_live != float("inf")]
     assert [b.time_to_live for b in records] == [3600]  # the run record; a session's last run goes after an hour
+
+
+def test_a_session_keeps_one_copy_of_each_component_however_many_runs(app_server, client):
+    """The run stream skips unchanged lanes and plots; a value after a skip must replace the session's copy of
+    that component, not add one more (Gradio 6 gives each updated copy a fresh id) with its value."""
+    demo = app_server["app"].demo
+    for seed in (1, 2, 3):
+        final = client.predict(*args(max_new=8, seed=seed), api_name="/run")
+        assert final[-1]["lanes"]["mtad"]["state"] == "done"
+    session = demo.state_holder.session_data[client.session_hash]
+    assert set(session.blocks_config.blocks) == set(demo.blocks)
+    assert set(session.config_values) <= set(demo.blocks)
+    cards = next(k for k, b in demo.blocks.items() if getattr(b, "elem_id", None) == "cards")
+    assert session.blocks_config.blocks[cards]._id == cards
+    assert session.config_values[cards]["props"]["value"] == final[5]  # what a reconnecting page is sent
