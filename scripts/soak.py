@@ -5,8 +5,9 @@ tree whose counter this script advances, then runs N ``gradio_client`` clients f
 normal runs, Stop (a cancelled job), Run twice, bad and oversized prompts, a lone surrogate and an energy
 counter that vanishes mid-run. It prints how many requests were served, refused with a message, refused
 without one (a bare "Error"), stranded (no answer within ``--stranded-after`` seconds: must be 0), the
-tracebacks in the server's log (must be 0) and the server's memory (RSS) after its first run and at the end.
-Exit status 1 when anything was stranded, refused without a message or logged a traceback.
+tracebacks in the server's log (must be 0) and the server's memory (RSS) each minute, with its growth over the
+second half (must stay under ``--max-growth``). Exit status 1 when anything was stranded, refused without a
+message or logged a traceback, or the memory kept growing.
 """
 
 from __future__ import annotations
@@ -76,6 +77,15 @@ def rss_mib(pid: int) -> float:
         if row.startswith("VmRSS:"):
             return int(row.split()[1]) / 1024
     return float("nan")
+
+
+def growth_per_minute(rss: list[float]) -> float | None:
+    """MiB a minute the memory grew from the soak's middle to its end (the first half warms caches and
+    allocators up); None below four one-minute samples."""
+    if len(rss) < 4:
+        return None
+    half = len(rss) // 2
+    return (rss[-1] - rss[half]) / (len(rss) - 1 - half)
 
 
 def run_args(prompt: str, max_new: int, **changes: object) -> list:
@@ -215,6 +225,12 @@ def main() -> int:
     parser.add_argument("--stranded-after", type=float, default=600.0, help="seconds without an answer")
     parser.add_argument("--log", type=Path, default=None, help="the server's log (default: a temporary file)")
     parser.add_argument(
+        "--max-growth",
+        type=float,
+        default=2.0,
+        help="MiB a minute the server's memory may grow over the soak's second half (after warming up)",
+    )
+    parser.add_argument(
         "--actions",
         type=lambda text: text.split(","),
         default=["run", "run", "run", "stop", "twice", "bad", "huge", "surrogate", "counter"],
@@ -289,7 +305,12 @@ def main() -> int:
     print(f"tracebacks in the server log: {tracebacks} ({log_path})")
     print(f"server RSS: {rss_start:.0f} MiB after the first run, {rss_end:.0f} MiB at the end")
     print(f"server RSS each minute, MiB: {' '.join(f'{m:.0f}' for m in rss)}")
-    bad = stranded or tracebacks or soak.tally["refused without a message"] or not next_served
+    slope = growth_per_minute(rss)
+    if slope is not None:
+        verdict = "flat" if slope <= args.max_growth else f"GROWING (more than {args.max_growth:g})"
+        print(f"server RSS over the second half: {slope:+.1f} MiB a minute, {verdict}")
+    growing = slope is not None and slope > args.max_growth
+    bad = stranded or tracebacks or soak.tally["refused without a message"] or not next_served or growing
     return 1 if bad else 0
 
 
