@@ -173,6 +173,17 @@ def tiny_pair(tiny_dirs: tuple[str, str]) -> ModelPair:
     return load(*tiny_dirs, device="cpu")
 
 
+@pytest.fixture(scope="module")
+def tiny_presets(tiny_dirs: tuple[str, str], tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    """A presets file naming the tiny pair ``tiny``, set as ``MTAD_PAIRS`` for the module (the page's handlers
+    read it at every request)."""
+    path = tmp_path_factory.mktemp("presets") / "pairs.toml"
+    path.write_text(f'[pairs.tiny]\ndescription = "tiny"\ndraft = "{tiny_dirs[0]}"\ntarget = "{tiny_dirs[1]}"\n')
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MTAD_PAIRS", str(path))
+        yield path
+
+
 @pytest.fixture(scope="session")
 def micro_pair(tmp_path_factory: pytest.TempPathFactory) -> ModelPair:
     """A pair over a 10-token vocabulary whose draft and target disagree a lot (statistical tests)."""

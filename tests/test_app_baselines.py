@@ -36,15 +36,6 @@ BASE = dict(
 RACE = dict(left="sd", right="mtad", num_drafts=4, tau1=0.9, tau2=2.0)
 
 
-@pytest.fixture(scope="module")
-def tiny_presets(tiny_dirs: tuple[str, str], tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
-    path = tmp_path_factory.mktemp("presets") / "pairs.toml"
-    path.write_text(f'[pairs.tiny]\ndescription = "tiny"\ndraft = "{tiny_dirs[0]}"\ntarget = "{tiny_dirs[1]}"\n')
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MTAD_PAIRS", str(path))
-        yield path
-
-
 def run_page(**changes: object) -> tuple:
     """The run handler's last output tuple for these widget values, in the page's input order."""
     values = {**BASE, **RACE, **changes}

@@ -93,15 +93,6 @@ def toy(tmp_path: Path):  # noqa: ANN201
         sys.path.remove(str(root))
 
 
-@pytest.fixture(scope="module")
-def tiny_presets(tiny_dirs: tuple[str, str], tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
-    path = tmp_path_factory.mktemp("presets") / "pairs.toml"
-    path.write_text(f'[pairs.tiny]\ndescription = "tiny"\ndraft = "{tiny_dirs[0]}"\ntarget = "{tiny_dirs[1]}"\n')
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MTAD_PAIRS", str(path))
-        yield path
-
-
 def pair_args(tiny_dirs: tuple[str, str]) -> list[str]:
     return ["--draft", tiny_dirs[0], "--target", tiny_dirs[1], "--device", "cpu"]
 

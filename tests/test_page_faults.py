@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import markdown_it
@@ -41,13 +42,10 @@ FORM = dict(
 
 
 @pytest.fixture(scope="module")
-def tiny_presets(tiny_dirs: tuple[str, str], tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
-    path = tmp_path_factory.mktemp("presets") / "pairs.toml"
-    path.write_text(f'[pairs.tiny]\ndescription = "tiny"\ndraft = "{tiny_dirs[0]}"\ntarget = "{tiny_dirs[1]}"\n')
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MTAD_PAIRS", str(path))
-        PAGE.pairs.get("tiny")
-        yield path
+def tiny_presets(tiny_presets: Path) -> Path:
+    """The shared presets, the tiny pair loaded before the timed runs."""
+    PAGE.pairs.get("tiny")
+    return tiny_presets
 
 
 def endless_decode(pair, prompt_ids, settings):  # noqa: ANN001, ANN201
