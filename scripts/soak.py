@@ -225,6 +225,13 @@ def main() -> int:
     parser.add_argument("--stranded-after", type=float, default=600.0, help="seconds without an answer")
     parser.add_argument("--log", type=Path, default=None, help="the server's log (default: a temporary file)")
     parser.add_argument(
+        "--sessions",
+        type=int,
+        default=64,
+        help="the server's MTAD_MAX_SESSIONS: every plain-HTTP request opens a session, and the soak reaches this "
+        "cap in its first minutes, so that its second half measures what grows beyond the state the server keeps",
+    )
+    parser.add_argument(
         "--max-growth",
         type=float,
         default=2.0,
@@ -247,6 +254,7 @@ def main() -> int:
     port = free_port()
     log_path = args.log or work / "server.log"
     env = {**os.environ, "MTAD_PAIR": "embedded", "MTAD_POWERCAP_ROOT": str(work / "powercap")}
+    env["MTAD_MAX_SESSIONS"] = str(args.sessions)
     env |= {"GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(port), "GRADIO_ANALYTICS_ENABLED": "False"}
     env.setdefault("HF_HUB_OFFLINE", "1")
     with log_path.open("w") as log:
@@ -294,7 +302,9 @@ def main() -> int:
             server.kill()
     tracebacks = log_path.read_text(errors="replace").count("Traceback (most recent call last)")
     stranded = soak.tally["stranded"] + stranded_threads
-    print(f"clients {args.clients}, minutes {args.minutes:g}, max new tokens {args.max_new_tokens}")
+    print(
+        f"clients {args.clients}, minutes {args.minutes:g}, max new tokens {args.max_new_tokens}, sessions kept {args.sessions}"
+    )
     for outcome in OUTCOMES:
         print(f"{outcome}: {soak.tally[outcome] + (stranded_threads if outcome == 'stranded' else 0)}")
     for (action, outcome), n in sorted(soak.by_action.items()):
