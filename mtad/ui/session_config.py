@@ -3,8 +3,8 @@
 Gradio 6 answers a property update (``gr.update(…)``, ``gr.skip()``) by building a new component and keeping it
 in the session under the updated component's id, but the new component takes a fresh id of its own. A plain
 value sent to that component afterwards is then kept under the fresh id, as one more component with its
-value: the page's run stream skips unchanged lanes and plots, so every run left about a dozen of them (about
-150 kB a run in a soak), and the session's record of the component's value went stale under its own id.
+value: the page's run stream skips unchanged lanes and plots, so every run left about a dozen of them, and the
+session's record of the component's value went stale under its own id (docs/journal has the soak's figures).
 """
 
 from __future__ import annotations
