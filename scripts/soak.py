@@ -240,7 +240,7 @@ def main() -> int:
     parser.add_argument(
         "--actions",
         type=lambda text: text.split(","),
-        default=["run", "run", "run", "stop", "twice", "bad", "huge", "surrogate", "counter"],
+        default=["run", "run", *ACTIONS],
         help="what the clients draw from, comma-separated, repeats weighing more (default: every kind, runs "
         "three times as often): one kind alone tells which one a memory growth comes with",
     )
@@ -316,10 +316,10 @@ def main() -> int:
     print(f"server RSS: {rss_start:.0f} MiB after the first run, {rss_end:.0f} MiB at the end")
     print(f"server RSS each minute, MiB: {' '.join(f'{m:.0f}' for m in rss)}")
     slope = growth_per_minute(rss)
-    if slope is not None:
-        verdict = "flat" if slope <= args.max_growth else f"GROWING (more than {args.max_growth:g})"
-        print(f"server RSS over the second half: {slope:+.1f} MiB a minute, {verdict}")
     growing = slope is not None and slope > args.max_growth
+    if slope is not None:
+        verdict = f"GROWING (more than {args.max_growth:g})" if growing else "flat"
+        print(f"server RSS over the second half: {slope:+.1f} MiB a minute, {verdict}")
     bad = stranded or tracebacks or soak.tally["refused without a message"] or not next_served or growing
     return 1 if bad else 0
 
